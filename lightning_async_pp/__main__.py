@@ -1,0 +1,4 @@
+from lightning_async_pp.cli import main
+
+if __name__ == "__main__":
+    main()

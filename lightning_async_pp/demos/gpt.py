@@ -1,0 +1,222 @@
+"""A byte-level GPT small enough to read in one sitting, and cut into pipeline stages block by block.
+
+The model is a flat sequence of layers, ``[Embedding, Block, ..., Block, Head]``, each a module that maps
+one tensor to one tensor. That is the whole pipeline contract (see
+:mod:`lightning_async_pp.pipeline.contract`): a pipeline places consecutive layers on consecutive stages and
+streams activations between them. The output head is deliberately *not* tied to the embedding, because
+the two live on different stages.
+
+Every layer is initialised from its own seed (``init_seed + layer index``), so a stage that builds only its
+own layers gets exactly the weights the whole model would have.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+
+Batch = tuple[Tensor, Tensor]
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: ``(B, T)`` byte ids to ``(B, T, C)`` activations."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head}).")
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and a 4x MLP, each on a residual branch."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final norm and the projection to byte logits."""
+
+    def __init__(self, n_embd: int, vocab_size: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln(x))
+
+
+def init_layer(layer: nn.Module, seed: int) -> None:
+    """GPT-2 style initialisation of one layer from its own seed (N(0, 0.02) weights, zero biases)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for module in layer.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            weight = torch.randn(module.weight.shape, generator=generator) * 0.02
+            with torch.no_grad():
+                module.weight.copy_(weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+class GPT(LightningModule):
+    """Byte-level GPT language model, ready for pipeline parallelism.
+
+    Args:
+        vocab_size: Number of token ids (256 for bytes).
+        block_size: Context length in tokens; also the largest sequence the position embedding accepts.
+        n_layer: Number of transformer blocks.
+        n_head: Attention heads per block.
+        n_embd: Width of the residual stream.
+        init_seed: Seed of the weight initialisation; layer ``i`` is initialised from ``init_seed + i``.
+        optimizer: Callable that builds the optimizer from ``named_parameters()``. In YAML, a
+            ``class_path``/``init_args`` pair. Defaults to ``AdamW(lr=1e-3, weight_decay=0.1)``.
+        lr_schedule: ``"constant"``, or ``"cosine"``: linear warm-up then cosine decay to
+            ``min_lr_ratio`` of the peak, over the trainer's estimated number of steps.
+        warmup_fraction: Share of the steps spent in linear warm-up (``"cosine"`` only).
+        min_lr_ratio: Final learning rate as a fraction of the peak (``"cosine"`` only).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        init_seed: int = 0,
+        optimizer: OptimizerCallable | None = None,
+        lr_schedule: Literal["constant", "cosine"] = "cosine",
+        warmup_fraction: float = 0.1,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer
+        self.layers = nn.ModuleList(
+            [Embedding(vocab_size, block_size, n_embd)]
+            + [Block(n_embd, n_head) for _ in range(n_layer)]
+            + [Head(n_embd, vocab_size)]
+        )
+        self.reset_parameters()
+        self.val_loss = MeanMetric()
+        self.val_perplexity = Perplexity()
+        self._batch_start: float | None = None
+
+    def reset_parameters(self) -> None:
+        for index, layer in enumerate(self.layers):
+            self.reset_pipeline_layer(index, layer)
+
+    # --- pipeline contract -------------------------------------------------------------------------
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        return self.layers
+
+    def pipeline_inputs(self, batch: Batch) -> Tensor:
+        return batch[0]
+
+    def pipeline_loss(self, output: Tensor, batch: Batch) -> Tensor:
+        targets = batch[1]
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
+
+    def reset_pipeline_layer(self, index: int, layer: nn.Module) -> None:
+        init_layer(layer, self.hparams.init_seed + index)
+
+    # --- plain LightningModule --------------------------------------------------------------------
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = idx
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self(self.pipeline_inputs(batch)), batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        logits = self(self.pipeline_inputs(batch))
+        self.validation_metrics(logits, batch)
+
+    def validation_metrics(self, logits: Tensor, batch: Batch) -> None:
+        """Update and log ``val/loss`` and ``val/perplexity`` from the logits of one batch."""
+        self.val_loss.update(self.pipeline_loss(logits, batch), weight=batch[1].numel())
+        self.val_perplexity.update(logits.float(), batch[1])
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/perplexity", self.val_perplexity)
+
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        if self._batch_start is not None:
+            elapsed = time.perf_counter() - self._batch_start
+            self.log("train/tokens_per_sec", batch[0].numel() / max(elapsed, 1e-9))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(self.named_parameters(), lr=1e-3, weight_decay=0.1)
+        else:
+            optimizer = self.optimizer_factory(self.named_parameters())
+        if self.hparams.lr_schedule == "constant":
+            return optimizer
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        factor = cosine_with_warmup(total, self.hparams.warmup_fraction, self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def cosine_with_warmup(total_steps: int, warmup_fraction: float = 0.1, min_ratio: float = 0.1):
+    """Learning-rate factor for ``LambdaLR``: linear warm-up, then cosine decay to ``min_ratio``."""
+    warmup = int(total_steps * warmup_fraction)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

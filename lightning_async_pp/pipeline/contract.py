@@ -1,0 +1,61 @@
+"""What a model must say about itself to be cut into pipeline stages.
+
+A pipeline-ready ``LightningModule`` is a flat, ordered list of layers, each a module that maps one tensor
+to one tensor, plus two functions around them::
+
+    x = module.pipeline_inputs(batch)           # on the first stage
+    for layer in module.pipeline_layers():       # consecutive layers share a stage
+        x = layer(x)
+    loss = module.pipeline_loss(x, batch)        # on the last stage: a scalar, mean over the batch
+
+The loss must be a mean over the (micro-)batch, so that averaging the losses of equal micro-batches gives
+the loss of the whole batch. Optionally, ``reset_pipeline_layer(index, layer)`` (re)initialises one layer
+by itself; a stage that materialises only its own layers from the meta device calls it.
+
+Nothing is traced: the strategy calls these methods and nothing else, so what runs is what you wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+REQUIRED = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
+
+
+@runtime_checkable
+class PipelineModule(Protocol):
+    """The pipeline contract. Implement these methods on your ``LightningModule``."""
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        """The model's layers in execution order (each maps one tensor to one tensor)."""
+
+    def pipeline_inputs(self, batch: Any) -> Tensor:
+        """The tensor fed to the first layer, taken from a (micro-)batch."""
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        """Scalar loss, averaged over the (micro-)batch, from the last layer's output."""
+
+
+def is_pipeline_module(module: Any) -> bool:
+    return all(callable(getattr(module, name, None)) for name in REQUIRED)
+
+
+def require_pipeline_module(module: Any, reason: str) -> None:
+    """Raise a ``TypeError`` that lists what is missing when ``module`` does not implement the contract."""
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} does not implement the pipeline contract ({reason}): it lacks "
+            f"{', '.join(missing)}. Define `pipeline_layers()`, `pipeline_inputs(batch)` and "
+            "`pipeline_loss(output, batch)` on your LightningModule; see "
+            "`lightning_async_pp.pipeline.contract` and docs/index.md."
+        )
+
+
+def run_layers(layers: Sequence[nn.Module], x: Tensor) -> Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x

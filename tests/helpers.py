@@ -1,0 +1,62 @@
+"""Small models, data and runners shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_async_pp.demos import GPT
+
+VOCAB, BLOCK = 256, 16
+
+
+def tiny_gpt(**kwargs) -> GPT:
+    defaults = dict(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32, lr_schedule="constant")
+    defaults.update(kwargs)
+    return GPT(**defaults)
+
+
+def random_batches(num_batches: int, batch_size: int = 8, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB, (num_batches, batch_size, BLOCK + 1), generator=generator)
+    return [(row[:, :-1].clone(), row[:, 1:].clone()) for row in data]
+
+
+def loader(batches) -> DataLoader:
+    # Each item is already a batch; batch_size=None hands it through unchanged.
+    return DataLoader(batches, batch_size=None, shuffle=False)
+
+
+class LossRecorder(Callback):
+    """Records the loss that each training step returned."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(model, batches, strategy="auto", **trainer_kwargs) -> list[float]:
+    recorder = LossRecorder()
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+    )
+    kwargs.update(trainer_kwargs)
+    Trainer(**kwargs).fit(model, train_dataloaders=loader(batches))
+    return recorder.losses
+
+
+def flat_weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

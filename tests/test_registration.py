@@ -1,0 +1,55 @@
+import importlib
+
+import pytest
+import yaml
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_async_pp
+from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp.cli import AsyncPipelineCLI
+from lightning.pytorch import LightningDataModule, LightningModule
+
+
+def test_registered_on_import_and_idempotent():
+    assert "async_pp" in StrategyRegistry
+    importlib.reload(lightning_async_pp)
+    assert "async_pp" in StrategyRegistry
+    assert StrategyRegistry["async_pp"]["strategy"].__name__ == "AsyncPipelineStrategy"
+
+
+def test_trainer_resolves_name():
+    trainer = Trainer(strategy="async_pp", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, lightning_async_pp.AsyncPipelineStrategy)
+    assert trainer.strategy.schedule == "2bw"
+    assert trainer.strategy.num_microbatches == 1
+
+
+def test_yaml_class_path_sets_arguments(tmp_path):
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "logger": False,
+            "strategy": {
+                "class_path": "lightning_async_pp.AsyncPipelineStrategy",
+                "init_args": {"schedule": "1f1b", "num_microbatches": 4},
+            },
+        },
+        "model": {"class_path": "lightning_async_pp.demos.GPT", "init_args": {"n_layer": 1, "n_embd": 16}},
+        "data": {"class_path": "lightning_async_pp.demos.TextDataModule"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = AsyncPipelineCLI(
+        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+        args=["--config", str(path)], run=False,
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, AsyncPipelineStrategy)
+    assert (strategy.schedule, strategy.num_microbatches) == ("1f1b", 4)
+
+
+def test_more_than_one_device_is_refused_clearly():
+    with pytest.raises(Exception, match="devices=1"):
+        Trainer(strategy="async_pp", accelerator="cpu", devices=2, logger=False)
