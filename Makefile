@@ -1,0 +1,28 @@
+# Two commands on a fresh machine:
+#   make train   set up .venv, train the quickstart GPT, print where the TensorBoard logs are
+#   make test    set up .venv if needed, run the test suite
+VENV ?= .venv
+PYTHON ?= python3
+# Pinned in the same pip call as the package so that pip never picks another (e.g. a CUDA) build.
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: train test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m lightning_async_pp fit --config examples/configs/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) runs lightning_logs

@@ -1,0 +1,48 @@
+"""The command line runs the quickstart config and TensorBoard receives every step."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "configs" / "quickstart.yaml"
+
+
+def run_cli(tmp_path, *extra, timeout=240):
+    command = [
+        sys.executable, "-m", "lightning_async_pp", "fit", "--config", str(QUICKSTART),
+        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", "0",
+        *extra,
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def scalars(log_dir):
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
+
+
+def test_quickstart_logs_every_step(tmp_path):
+    result = run_cli(tmp_path)
+    log_dir = tmp_path / "quickstart" / "version_0"
+    assert "tensorboard --logdir" in result.stdout
+    logged = scalars(log_dir)
+    train_steps = [event.step for event in logged["train/loss"]]
+    assert train_steps == list(range(6))
+    for tag in ("lr", "train/tokens_per_sec"):
+        assert len(logged[tag]) == 6, tag
+    assert all(event.value > 0 for event in logged["train/tokens_per_sec"])
+    assert len(logged["val/loss"]) == 2
+    assert len(logged["val/perplexity"]) == 2
+    # Perplexity is exp(mean token loss).
+    for loss, ppl in zip(logged["val/loss"], logged["val/perplexity"]):
+        assert abs(ppl.value - 2.718281828 ** loss.value) / ppl.value < 1e-3
