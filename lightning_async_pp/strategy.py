@@ -91,6 +91,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self.process_group_backend = process_group_backend
         self.timeout = timeout
         self._delayed: DelayedWeights | None = None
+        self._microbatch_losses: list[Tensor] | None = None
         self._restored_previous: dict[str, Tensor] | None = None
 
     # --- placement -----------------------------------------------------------------------------------
@@ -145,15 +146,31 @@ class AsyncPipelineStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
         with self.precision_plugin.train_step_context():
-            loss = self._microbatched_loss(module, batch)
+            self._microbatch_losses = self._microbatch_forward(module, batch)
+        loss = torch.stack(self._microbatch_losses).mean()
         module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
-    def _microbatched_loss(self, module: LightningModule, batch: Any) -> Tensor:
+    def _microbatch_forward(self, module: LightningModule, batch: Any) -> list[Tensor]:
         layers = module.pipeline_layers()
         microbatches = split_microbatches(batch, self.num_microbatches)
-        losses = [module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb)), mb) for mb in microbatches]
-        return torch.stack(losses).mean()
+        return [module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb)), mb) for mb in microbatches]
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        losses, self._microbatch_losses = self._microbatch_losses, None
+        if losses is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # One backward per micro-batch, in order, as a pipeline stage does: the gradients then
+        # accumulate in the same order and the two agree to the last bit.
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for loss in losses:
+            self.precision_plugin.backward(loss / len(losses), module, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def optimizer_step(

@@ -22,8 +22,9 @@ def adamw(params):
 def reference_loop(model, batches, make_optimizer, delayed, num_microbatches=1):
     """w[t+1] = w[t] - u(grad f(w[t-1]), batch t) with w[-1] = w[0] (or w[t] if not delayed), by hand.
 
-    The loss of a batch is the mean of its micro-batch losses, as in the strategy, so that both sum the
-    same floating-point numbers (Adam amplifies rounding differences of near-zero gradients).
+    Each micro-batch is backpropagated on its own with its loss divided by the count, as in the strategy,
+    so that both sum the same floating-point numbers (Adam amplifies rounding differences of near-zero
+    gradients).
     """
     params = list(model.parameters())
     optimizer = make_optimizer(model.named_parameters())
@@ -38,8 +39,10 @@ def reference_loop(model, batches, make_optimizer, delayed, num_microbatches=1):
         optimizer.zero_grad()
         x, y = batch
         parts = zip(x.chunk(num_microbatches), y.chunk(num_microbatches))
-        loss = torch.stack([model.pipeline_loss(model(xm), (xm, ym)) for xm, ym in parts]).mean()
-        loss.backward()
+        microbatch_losses = [model.pipeline_loss(model(xm), (xm, ym)) for xm, ym in parts]
+        for part in microbatch_losses:
+            (part / num_microbatches).backward()
+        loss = torch.stack(microbatch_losses).mean()
         losses.append(loss.item())
         with torch.no_grad():
             for p, now in zip(params, current):
@@ -98,7 +101,8 @@ def test_microbatch_gradient_equals_full_batch_gradient():
     model = tiny_gpt()
     batch = random_batches(1)[0]
     strategy = AsyncPipelineStrategy(num_microbatches=4)
-    strategy._microbatched_loss(model, batch).backward()
+    for loss in strategy._microbatch_forward(model, batch):
+        (loss / 4).backward()
     split = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     model.pipeline_loss(model(batch[0]), batch).backward()
