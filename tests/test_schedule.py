@@ -286,6 +286,10 @@ def _mutated(sched, stage, fn):
     return dataclasses.replace(sched, stages=stages)
 
 
+def _replace_if(action, target, **changes):
+    return dataclasses.replace(action, **changes) if action == target else action
+
+
 def _swap(acts, x, y):
     i, j = acts.index(x), acts.index(y)
     acts[i], acts[j] = acts[j], acts[i]
@@ -300,7 +304,7 @@ def _swap(acts, x, y):
         # Update too early: before the last backward of its step.
         (lambda a: _swap(a, Action(0, Op.UPDATE, 0, -1, 1), Action(0, Op.BACKWARD, 0, 3, -1)), "precedes the backward"),
         # Wrong weight version on a forward.
-        (lambda a: [dataclasses.replace(x, version=0) if x == Action(0, Op.FORWARD, 0, 1, -1) else x for x in a], "uses version 0"),
+        (lambda a: [_replace_if(x, Action(0, Op.FORWARD, 0, 1, -1), version=0) for x in a], "uses version 0"),
         # A micro-batch forwarded twice.
         (lambda a: a + [Action(0, Op.FORWARD, 0, 0, -1)], "forwarded twice"),
         # An extra warm-up forward: too many in flight.

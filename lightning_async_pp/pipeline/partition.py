@@ -98,7 +98,9 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[int]:
     return starts
 
 
-def partition_from_split_points(num_layers: int, split_points: Sequence[int], num_stages: int | None = None) -> list[int]:
+def partition_from_split_points(
+    num_layers: int, split_points: Sequence[int], num_stages: int | None = None
+) -> list[int]:
     """Stage starts from user-given split points: stage ``k`` starts at ``split_points[k-1]``.
 
     Args:

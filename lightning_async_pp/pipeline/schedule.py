@@ -561,7 +561,8 @@ def _check_stage(sched: Schedule, s: int) -> None:
     # the forwards that need the version they produce.
     updates = [(k, a) for k, a in enumerate(acts) if a.op is Op.UPDATE]
     if [a.step for _, a in updates] != list(range(sched.num_steps)):
-        _fail(f"{where}: updates are for steps {[a.step for _, a in updates]}, expected 0..{sched.num_steps - 1} in order")
+        got = [a.step for _, a in updates]
+        _fail(f"{where}: updates are for steps {got}, expected 0..{sched.num_steps - 1} in order")
     lag = 1 if kind == "2bw" else 0  # steps between the version used and the newest one
     for k, u in updates:
         t = u.step
@@ -635,6 +636,8 @@ def _run_in_order(
     the ``(stage, action)`` pairs left blocked (empty unless the lists deadlock).
     """
     P = sched.num_stages
+    # Go by the lists rather than the flag, so hand-made lists time correctly either way.
+    comm = any(a.is_comm for acts in sched.stages for a in acts)
     pos = [0] * P
     done: set[tuple] = set()
     waiting: dict[tuple, int] = {}  # key -> the stage blocked on it
@@ -644,11 +647,11 @@ def _run_in_order(
         acts = sched.stages[s]
         while pos[s] < len(acts):
             a = acts[pos[s]]
-            need = _needs(a, P, sched.with_comm)
+            need = _needs(a, P, comm)
             if need is not None and need not in done:
                 waiting[need] = s
                 break
-            made = _provides(a, P, sched.with_comm)
+            made = _provides(a, P, comm)
             visit(s, a, need, made)
             if made is not None:
                 done.add(made)

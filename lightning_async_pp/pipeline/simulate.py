@@ -75,7 +75,9 @@ class SimulationResult:
         bubble_fraction: ``1 - utilization`` per stage (idle / makespan).
         steady_window: steps ``(a, b)``; the steady-state figures are measured on
             each stage from its first forward of step ``a`` to its first forward
-            of step ``b``, leaving out the ramp-up and drain of the run.
+            of step ``b``, leaving out the ramp-up and drain (a quarter of the
+            steps, at least one, at each end). With fewer than 3 steps the window
+            is the whole run, up to the stage's last action.
         steady_bubble_fraction: idle fraction per stage inside that window.
         peak_in_flight: per stage, most micro-batches forwarded but not yet backwarded.
         peak_versions_alive: per stage, most weight versions alive at once.
@@ -116,7 +118,10 @@ def _stage_costs(costs: Sequence[StageCosts] | StageCosts, num_stages: int) -> l
     else:
         per_stage = list(costs)
         if len(per_stage) != num_stages:
-            raise ValueError(f"got costs for {len(per_stage)} stages but the schedule has {num_stages}; pass one StageCosts per stage or a single one for all")
+            raise ValueError(
+                f"got costs for {len(per_stage)} stages but the schedule has {num_stages}; "
+                "pass one StageCosts per stage or a single one for all"
+            )
     for s, c in enumerate(per_stage):
         if min(c.forward, c.backward, c.update) < 0:
             raise ValueError(f"stage {s} has a negative cost: {c}")
@@ -152,7 +157,7 @@ def simulate(
     per_stage = _stage_costs(costs, P)
     if transfer < 0:
         raise ValueError(f"transfer must be >= 0, got {transfer}")
-    comm = schedule.with_comm
+    comm = any(a.is_comm for acts in schedule.stages for a in acts)
     clock = [0.0] * P
     arrival: dict[tuple, float] = {}  # cross-stage result -> time the receiver can use it
     timelines: list[list[Event]] = [[] for _ in range(P)]
@@ -206,15 +211,15 @@ def simulate(
 
 
 def _window_bounds(timeline: list[Event], window: tuple[int, int], makespan: float) -> tuple[float, float]:
+    """Stage-local window: first forward of step ``a`` to first forward of step ``b``
+    (or, when ``b`` is past the end, to the stage's last action)."""
     a, b = window
-    if (a, b) == (0, 0) or b <= a:
-        return 0.0, makespan
-    starts = {}
+    first_forward: dict[int, float] = {}
     for ev in timeline:
-        if ev.action.op is Op.FORWARD and ev.action.step in (a, b) and ev.action.step not in starts:
-            starts[ev.action.step] = ev.start
-    lo = starts.get(a, 0.0)
-    hi = starts.get(b, max((ev.end for ev in timeline), default=makespan))
+        if ev.action.op is Op.FORWARD and ev.action.step in (a, b):
+            first_forward.setdefault(ev.action.step, ev.start)
+    lo = first_forward.get(a, 0.0)
+    hi = first_forward.get(b, max((ev.end for ev in timeline), default=makespan))
     return lo, hi
 
 
@@ -249,7 +254,9 @@ def render_gantt(result: SimulationResult, *, scale: float | None = None, max_wi
             gets 3 characters, capped so the chart is at most ``max_width`` wide.
         max_width: width cap used when ``scale`` is not given.
     """
-    durations = [ev.end - ev.start for tl in result.timelines for ev in tl if ev.action.is_compute and ev.end > ev.start]
+    durations = [
+        ev.end - ev.start for tl in result.timelines for ev in tl if ev.action.is_compute and ev.end > ev.start
+    ]
     if result.makespan <= 0 or not durations:
         return "\n".join(f"stage {s}: (nothing timed)" for s in range(len(result.timelines)))
     if scale is None:
@@ -290,7 +297,8 @@ def plot_gantt(result: SimulationResult, path: str | None = None, *, ax=None):
     for s, tl in enumerate(result.timelines):
         for ev in tl:
             if ev.action.is_compute and ev.end > ev.start:
-                ax.broken_barh([(ev.start, ev.end - ev.start)], (s - 0.4, 0.8), facecolors=colors[ev.action.op], edgecolor="k")
+                bar = [(ev.start, ev.end - ev.start)]
+                ax.broken_barh(bar, (s - 0.4, 0.8), facecolors=colors[ev.action.op], edgecolor="k")
                 ax.text((ev.start + ev.end) / 2, s, _label(ev.action), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(P), [f"stage {s}" for s in range(P)])
     ax.invert_yaxis()
