@@ -2,29 +2,51 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_async_pp.pipeline import schedule as schedules
 from lightning_async_pp.pipeline.contract import is_pipeline_module, require_pipeline_module, run_layers
 from lightning_async_pp.pipeline.delayed import DelayedWeights
 from lightning_async_pp.pipeline.microbatch import split_microbatches
+from lightning_async_pp.pipeline.partition import (
+    balanced_partition,
+    count_parameters,
+    partition_from_split_points,
+    stage_ranges,
+)
+from lightning_async_pp.pipeline.placement import keep_only_layers, materialize
+from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("2bw", "1f1b")
+SCHEDULES = schedules.SCHEDULES
 CHECKPOINT_KEY = "async_pp"
 
 
@@ -35,27 +57,41 @@ class AsyncPipelineStrategy(ParallelStrategy):
     delay: ``w[t+1] = w[t] - u(grad f(w[t-1]), batch t)`` with ``w[-1] = w[0]``, where ``u`` is the whole
     optimizer update. ``"1f1b"`` is ordinary synchronous training: ``w[t+1] = w[t] - u(grad f(w[t]), batch t)``.
 
-    On one device the strategy trains with exactly these update rules (gradient on the previous weights,
-    optimizer step on the current ones, optimizer state never rewound), which makes it the reference a
-    multi-stage pipeline must match, and a way to study staleness without a cluster.
+    With ``devices=P > 1`` the model's layers are cut into ``P`` contiguous stages, one per process, and
+    micro-batches stream through them (see :mod:`lightning_async_pp.pipeline.runtime`). The last stage,
+    which computes the loss, runs on global rank 0, so ``train/loss`` is logged where Lightning logs,
+    without a per-step collective that would stall the pipeline.
+
+    On one device the strategy trains with exactly the same update rules (gradient on the previous weights,
+    optimizer step on the current ones, optimizer state never rewound), through a path that shares no
+    code with the multi-process runtime: it is the reference a pipeline must match, and a way to study
+    staleness without a cluster.
 
     With a pipeline-ready module (see :mod:`lightning_async_pp.pipeline.contract`) the strategy computes the
     loss itself, micro-batch by micro-batch, through ``pipeline_inputs``, ``pipeline_layers`` and
-    ``pipeline_loss``, and logs it as ``train/loss``; ``training_step`` is not called. Any other
-    ``LightningModule`` trains through its own ``training_step`` with ``num_microbatches=1``.
+    ``pipeline_loss``, and logs it as ``train/loss``; ``training_step`` is not called. On one device any
+    other ``LightningModule`` trains through its own ``training_step`` with ``num_microbatches=1``.
 
     Args:
         schedule: ``"2bw"`` (asynchronous, one-step delay) or ``"1f1b"`` (synchronous).
         num_microbatches: Micro-batches each batch is split into (along its first dimension). Their
             gradients are averaged, so the update equals the full-batch one. The batch size must be a
-            multiple of it.
+            multiple of it; ``"2bw"`` needs at least as many micro-batches as stages.
+        split_points: Explicit stage boundaries as layer indices: stage ``k`` starts at layer
+            ``split_points[k-1]`` (``P-1`` increasing values). ``None`` balances the stages by ``balance``.
+        balance: What to balance when ``split_points`` is not given: ``"parameters"`` (parameter count per
+            layer) or a list with one cost per layer (for example measured forward+backward times, see
+            :func:`lightning_async_pp.pipeline.partition.measure_layer_times`).
+        trace_dir: If set, each stage writes a Chrome trace (``chrome://tracing`` / Perfetto JSON) of the
+            actions it executed, with their real start and end times, to this folder.
+        start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
+            (like ``strategy="ddp"``); ``"spawn"`` works in notebooks and tests.
         accelerator: Set by the ``Trainer``.
         parallel_devices: Set by the ``Trainer``.
         cluster_environment: Set by the ``Trainer``.
         checkpoint_io: Checkpoint plugin.
         precision_plugin: Set by the ``Trainer``.
-        process_group_backend: ``torch.distributed`` backend for multi-process runs (default: NCCL on GPUs,
-            gloo on CPUs).
+        process_group_backend: ``torch.distributed`` backend (default: NCCL on GPUs, gloo on CPUs).
         timeout: Timeout of collective and point-to-point operations between processes.
     """
 
@@ -65,6 +101,10 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self,
         schedule: str = "2bw",
         num_microbatches: int = 1,
+        split_points: Sequence[int] | None = None,
+        balance: Literal["parameters"] | Sequence[float] = "parameters",
+        trace_dir: str | None = None,
+        start_method: Literal["popen", "spawn"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -86,15 +126,26 @@ class AsyncPipelineStrategy(ParallelStrategy):
             )
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"`num_microbatches` must be a positive integer, got {num_microbatches!r}.")
+        if not (balance == "parameters" or (not isinstance(balance, str) and len(balance) > 0)):
+            raise ValueError(f"`balance` must be 'parameters' or a list of per-layer costs, got {balance!r}.")
+        if start_method not in ("popen", "spawn"):
+            raise ValueError(f"`start_method` must be 'popen' or 'spawn', got {start_method!r}.")
         self.schedule = schedule
         self.num_microbatches = num_microbatches
+        self.split_points = list(split_points) if split_points is not None else None
+        self.balance = balance if isinstance(balance, str) else [float(c) for c in balance]
+        self.trace_dir = trace_dir
+        self.start_method = start_method
         self.process_group_backend = process_group_backend
         self.timeout = timeout
+        self._num_nodes = 1
         self._delayed: DelayedWeights | None = None
         self._microbatch_losses: list[Tensor] | None = None
-        self._restored_previous: dict[str, Tensor] | None = None
+        self._restored: dict[str, Any] | None = None
+        self._runtime: StageRuntime | None = None
+        self.stage_layers: range | None = None
 
-    # --- placement -----------------------------------------------------------------------------------
+    # --- processes and placement ---------------------------------------------------------------------
 
     @property
     @override
@@ -103,21 +154,63 @@ class AsyncPipelineStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def num_stages(self) -> int:
-        return max(1, self.num_processes)
+        """Pipeline depth: one stage per process."""
+        return max(1, self.num_processes * self.num_nodes)
+
+    @property
+    def stage(self) -> int:
+        """This process's stage. The last stage (which has the loss) runs on global rank 0."""
+        return self.num_stages - 1 - self.global_rank
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.num_stages - 1 - stage
+
+    @property
+    def is_distributed(self) -> bool:
+        # Every stage reads the same batches: no DistributedSampler.
+        return False
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
 
     @override
     def _configure_launcher(self) -> None:
-        if self.num_processes > 1 or getattr(self.cluster_environment, "world_size", lambda: 1)() > 1:
-            raise MisconfigurationException(
-                f"AsyncPipelineStrategy was given {self.num_processes} devices, but this version trains "
-                "on a single device only (the exact one-step-delay trajectory). Set `devices=1`."
-            )
-        self._launcher = None
+        schedules.validate(self.schedule, self.num_stages, self.num_microbatches)
+        if self.num_stages == 1:
+            self._launcher = None
+        elif self.start_method == "popen":
+            assert self.cluster_environment is not None
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.num_stages > 1:
+            reset_seed()
+            assert self.cluster_environment is not None
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_stages)
+            rank_zero_only.rank = self.global_rank
+            backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            self.process_group_backend = backend
+            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
 
     @override
     def model_to_device(self) -> None:
@@ -133,23 +226,121 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 "batch size) instead; micro-batches already accumulate gradients within a step."
             )
         module = self.lightning_module
-        if self.num_microbatches > 1 and not is_pipeline_module(module):
+        if self.num_stages > 1:
+            require_pipeline_module(module, f"needed to cut it into {self.num_stages} stages")
+            self._place_stage(module)
+        elif self.num_microbatches > 1 and not is_pipeline_module(module):
             require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
         super().setup(trainer)
+        if self.num_stages > 1 and trainer.state.fn == TrainerFn.FITTING:
+            self._runtime = self._build_runtime(trainer)
+
+    def layer_partition(self, module: LightningModule) -> list[range]:
+        """The layers of each stage, from ``split_points`` or balanced by ``balance``."""
+        layers = list(module.pipeline_layers())
+        if self.split_points is not None:
+            starts = partition_from_split_points(len(layers), self.split_points, self.num_stages)
+        else:
+            if self.balance == "parameters":
+                costs = [float(count_parameters(layer)) for layer in layers]
+            else:
+                costs = list(self.balance)
+                if len(costs) != len(layers):
+                    raise ValueError(
+                        f"`balance` has {len(costs)} costs but the model has {len(layers)} pipeline layers; "
+                        "give one cost per layer of `pipeline_layers()`."
+                    )
+            starts = balanced_partition(costs, self.num_stages)
+        return stage_ranges(starts, len(layers))
+
+    def _place_stage(self, module: LightningModule) -> None:
+        layers = list(module.pipeline_layers())
+        ranges = self.layer_partition(module)
+        owner = [stage for stage, r in enumerate(ranges) for _ in r]
+        own = ranges[self.stage]
+        self.stage_layers = own
+        keep_only_layers(module, layers, own, owner)
+        for index in own:
+            if any(t.is_meta for t in (*layers[index].parameters(), *layers[index].buffers())):
+                materialize(module, index, layers[index], self.root_device)
+        names = ", ".join(f"{i}:{type(layers[i]).__name__}" for i in own)
+        count = sum(count_parameters(layers[i]) for i in own)
+        log.info(f"[rank {self.global_rank}] pipeline stage {self.stage}/{self.num_stages}: layers {names} ({count:,} parameters)")
+        self._stage_modules = [layers[i] for i in own]
+
+    def _build_runtime(self, trainer: Trainer) -> StageRuntime:
+        if trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise MisconfigurationException(
+                f"AsyncPipelineStrategy clips by the global gradient norm only; got gradient_clip_algorithm="
+                f"{trainer.gradient_clip_algorithm!r}. Set it to 'norm'."
+            )
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"AsyncPipelineStrategy needs exactly one optimizer, got {len(self.optimizers)}. Return one "
+                "optimizer from `configure_optimizers` (Muon and DelayCorrected are single optimizers)."
+            )
+        module = self.lightning_module
+        restored = self._restored or {}
+        stage, last = self.stage, self.num_stages - 1
+        runtime = StageRuntime(
+            kind=self.schedule,
+            stage=stage,
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            layers=self._stage_modules,
+            optimizer=self.optimizers[0],
+            inputs_fn=lambda mb: module.pipeline_inputs(mb),
+            loss_fn=lambda out, mb: module.pipeline_loss(out, mb),
+            device=self.root_device,
+            prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
+            next_rank=self.rank_of_stage(stage + 1) if stage < last else None,
+            clip_grad_norm=trainer.gradient_clip_val or None,
+            norm_group=dist.group.WORLD,
+            forward_context=self.precision_plugin.forward_context,
+            trace=self.trace_dir is not None,
+            start_version=trainer.global_step if restored else 0,
+        )
+        previous = restored.get("previous")
+        if previous is not None:
+            runtime.load_previous_weights(previous)
+        return runtime
 
     # --- the training step ---------------------------------------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
+        batch = kwargs["batch"] if "batch" in kwargs else args[0]
+        if self._runtime is not None:
+            loss, stats = self._runtime.run_step(self.lightning_module.trainer.global_step, batch)
+            if loss is not None:
+                module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+            self._log_stats(stats)
+            # The gradients are already in place; `backward` skips this detached value. Only the last
+            # stage (rank 0) knows the loss.
+            return loss if loss is not None else torch.tensor(float("nan"), device=self.root_device)
         if not is_pipeline_module(module):
             return super().training_step(*args, **kwargs)
-        batch = kwargs["batch"] if "batch" in kwargs else args[0]
         with self.precision_plugin.train_step_context():
             self._microbatch_losses = self._microbatch_forward(module, batch)
         loss = torch.stack(self._microbatch_losses).mean()
         module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         return loss
+
+    def _log_stats(self, stats: StepStats) -> None:
+        module = self.lightning_module
+        prefix = f"pipeline/stage{self.stage}"
+        values = {
+            "pipeline/bubble_fraction": stats.bubble_fraction,
+            f"{prefix}/bubble_fraction": stats.bubble_fraction,
+            f"{prefix}/forward_sec": stats.forward,
+            f"{prefix}/backward_sec": stats.backward,
+            f"{prefix}/wait_sec": stats.wait,
+            f"{prefix}/update_sec": stats.update,
+            "pipeline/version_lag": float(stats.version_lag),
+        }
+        for name, value in values.items():
+            module.log(name, value, on_step=True, on_epoch=False)
 
     def _microbatch_forward(self, module: LightningModule, batch: Any) -> list[Tensor]:
         layers = module.pipeline_layers()
@@ -158,6 +349,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._runtime is not None:
+            return closure_loss
         losses, self._microbatch_losses = self._microbatch_losses, None
         if losses is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -180,6 +373,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
+        if self._runtime is not None:
+            # The stage runtime applies its updates itself, on its own clock, inside the step.
+            return closure()
         if self.schedule == "2bw":
             closure = self._delayed_weights().wrap_closure(closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -187,54 +383,173 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def _delayed_weights(self) -> DelayedWeights:
         if self._delayed is None:
             assert self.lightning_module is not None
-            self._delayed = DelayedWeights(self.lightning_module, previous=self._restored_previous)
-            self._restored_previous = None
+            previous = (self._restored or {}).get("previous")
+            self._delayed = DelayedWeights(self.lightning_module, previous=previous)
         return self._delayed
+
+    # --- flushes: validation, checkpoints, the end of training ---------------------------------------
+
+    def flush(self) -> None:
+        """Finish all in-flight micro-batches and apply pending updates (no-op on one device)."""
+        if self._runtime is not None:
+            self._runtime.drain()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.flush()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.flush()
+        self._write_trace()
+        super().on_train_end()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.num_stages == 1:
+            return super().validation_step(*args, **kwargs)
+        module = self.lightning_module
+        batch = kwargs["batch"] if "batch" in kwargs else args[0]
+        batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+        runtime = self._runtime or self._evaluation_runtime()
+        output = runtime.evaluate(batch)
+        if output is None:
+            return None
+        hook = getattr(module, "pipeline_validation_step", None)
+        if callable(hook):
+            return hook(output, batch, batch_idx)
+        loss = module.pipeline_loss(output, batch)
+        module.log("val/loss", loss, prog_bar=True)
+        return loss
+
+    def _evaluation_runtime(self) -> StageRuntime:
+        # Validation or testing outside of fit: a runtime without optimizer, used only for forwards.
+        stage, last = self.stage, self.num_stages - 1
+        module = self.lightning_module
+        self._runtime = StageRuntime(
+            kind="1f1b", stage=stage, num_stages=self.num_stages, num_microbatches=1, layers=self._stage_modules,
+            optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0),
+            inputs_fn=lambda mb: module.pipeline_inputs(mb), loss_fn=lambda out, mb: module.pipeline_loss(out, mb),
+            device=self.root_device,
+            prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
+            next_rank=self.rank_of_stage(stage + 1) if stage < last else None,
+            forward_context=self.precision_plugin.forward_context,
+        )
+        return self._runtime
+
+    def _write_trace(self) -> None:
+        if self.trace_dir is None or self._runtime is None:
+            return
+        os.makedirs(self.trace_dir, exist_ok=True)
+        events = [
+            {"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": 0, "tid": self.stage,
+             "cat": name.lstrip("0123456789")[:2]}
+            for name, start, end in self._runtime.events
+        ]
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": self.stage, "args": {"name": f"stage {self.stage}"}})
+        path = os.path.join(self.trace_dir, f"trace_stage{self.stage}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        os.replace(path + ".tmp", path)
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A checkpoint holds settled weights: every started micro-batch finished, every update applied.
+        self.flush()
+        return super().lightning_module_state_dict()
+
+    def _stage_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"stage": self.stage}
+        if self._runtime is not None:
+            state["previous"] = {n: t.clone() for n, t in self._runtime.previous_weights().items()}
+            state["optimizer"] = self.optimizers[0].state_dict()
+        elif self.schedule == "2bw":
+            # Before the first step the previous weights are the current ones (w[-1] = w[0]).
+            state["previous"] = self._delayed_weights().state_dict()
+        return state
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = self._checkpoint_state()
+        stage_state = self._stage_state()
+        if self.num_stages > 1:
+            stage_states = [None] * self.num_stages if self.is_global_zero else None
+            module_states = [None] * self.num_stages if self.is_global_zero else None
+            dist.gather_object(stage_state, stage_states, dst=0)
+            dist.gather_object(checkpoint["state_dict"], module_states, dst=0)
+            if not self.is_global_zero:
+                return
+            stage_states = sorted(stage_states, key=lambda s: s["stage"])
+            checkpoint["state_dict"] = {k: v for states in module_states for k, v in states.items()}
+        else:
+            stage_states = [stage_state]
+        checkpoint[CHECKPOINT_KEY] = {
+            "schedule": self.schedule,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "stages": stage_states,
+        }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def _checkpoint_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"schedule": self.schedule, "num_stages": self.num_stages}
-        if self.schedule == "2bw":
-            # Before the first step the previous weights are the current ones (w[-1] = w[0]).
-            state["previous_weights"] = self._delayed_weights().state_dict()
-        return state
+    def _stage_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            return None
+        if state["num_stages"] != self.num_stages:
+            raise MisconfigurationException(
+                f"The checkpoint was saved by a {state['num_stages']}-stage pipeline; this run has "
+                f"{self.num_stages} stages. Resume with devices={state['num_stages']}."
+            )
+        return state["stages"][self.stage]
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        state = checkpoint.get(CHECKPOINT_KEY, {})
-        previous = state.get("previous_weights")
-        if self.schedule == "2bw" and previous is not None:
-            self._restored_previous = previous
-            if self._delayed is not None:
-                self._delayed.load_state_dict(previous)
-                self._restored_previous = None
+        self._restored = self._stage_checkpoint(checkpoint)
+        if self._restored is not None and self._delayed is not None and "previous" in self._restored:
+            self._delayed.load_state_dict(self._restored["previous"])
 
-    # --- collectives (one process) -------------------------------------------------------------------
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        stage = self._stage_checkpoint(checkpoint)
+        if self.num_stages > 1 and stage is not None and "optimizer" in stage:
+            self.optimizers[0].load_state_dict(stage["optimizer"])
+            return
+        super().load_optimizer_state_dict(checkpoint)
+
+    # --- collectives ---------------------------------------------------------------------------------
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor) and _distributed_is_initialized():
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        pass
+        if _distributed_is_initialized():
+            dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return tensor
+        if not _distributed_is_initialized():
+            return tensor
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def teardown(self) -> None:
         self._delayed = None
+        self._runtime = None
         super().teardown()

@@ -1,0 +1,183 @@
+"""Error-feedback correction of a one-step gradient delay, around any optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+STATE_KEY = "previous_update"
+"""Key of the previous uncorrected update in the base optimizer's per-parameter state."""
+
+
+class DelayCorrected(Optimizer):
+    r"""Wrap an optimizer so that it compensates a one-step delay of the gradients.
+
+    With a one-step gradient delay (PipeDream-2BW), the gradient used at step :math:`t` was computed on the
+    weights of step :math:`t-1`. Let :math:`u_t` be the update the base optimizer makes at step :math:`t`
+    (learning rate and weight decay included). This wrapper applies
+
+    .. math::
+        w_{t+1} = w_t - u_t - c\,(u_t - u_{t-1}),
+
+    i.e. it extrapolates the change of the update by one step (:math:`c = 1`: :math:`w_t - 2u_t + u_{t-1}`).
+    :math:`u_t` is measured as the change of the weights made by the base optimizer's own ``step``, so any
+    optimizer works and its state (moments, momentum) is never touched; only what is subtracted from the
+    weights changes. The first step, and the first step of a parameter that had no gradient before, is plain.
+    Parameters without a gradient are skipped, as torch optimizers skip them.
+
+    The wrapper is an :class:`~torch.optim.Optimizer` whose :attr:`param_groups`, :attr:`state` and
+    :attr:`defaults` are the base optimizer's own objects, so learning-rate schedulers, Lightning and
+    checkpointing treat it like the base optimizer. :math:`u_{t-1}` is stored in the base optimizer's
+    per-parameter state under ``"previous_update"`` and is part of :meth:`state_dict`.
+
+    Memory: one parameter-sized buffer per parameter (:math:`u_{t-1}`) between steps. During a step, a copy of
+    the weights taken before the base optimizer's step, freed when the step ends; it becomes the buffer on a
+    parameter's first step.
+
+    Two forms:
+
+    * Python: ``DelayCorrected(torch.optim.AdamW(model.parameters(), lr=1e-3), coefficient=1.0)``.
+    * Factory, as jsonargparse / ``LightningCLI`` call optimizer classes:
+      ``DelayCorrected(model.parameters(), base=partial(torch.optim.AdamW, lr=1e-3), coefficient=1.0)``.
+
+    Args:
+        params: The optimizer to wrap, or the parameters (anything the base optimizer accepts: tensors,
+            ``(name, tensor)`` pairs, groups) to build it from with ``base``.
+        base: Callable that builds the base optimizer from ``params``; in YAML, a ``class_path`` with
+            ``init_args``. ``None`` means :class:`torch.optim.AdamW` with its defaults. Only with parameters,
+            not with an optimizer instance.
+        coefficient: :math:`c`. ``0`` is exactly the base optimizer; ``1`` is the setting of the method notes.
+
+    Raises:
+        ValueError: If ``coefficient`` is negative, or if both an optimizer instance and ``base`` are given.
+        TypeError: If ``base`` does not return a :class:`~torch.optim.Optimizer`.
+
+    .. note::
+        The base optimizer's ``step`` runs once per call and without the closure, so optimizers that need to
+        re-evaluate the closure (:class:`~torch.optim.LBFGS`) are not supported.
+    """
+
+    def __init__(
+        self,
+        params: Optimizer | Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]],
+        base: Callable[[Iterable], Optimizer] | None = None,
+        coefficient: float = 1.0,
+    ) -> None:
+        if not coefficient >= 0:
+            raise ValueError(
+                f"`coefficient` must be >= 0 (0 disables the correction, 1 is the default), got {coefficient}."
+            )
+        if isinstance(params, Optimizer):
+            if base is not None:
+                raise ValueError(
+                    "Got both an optimizer instance and `base`. Pass either an optimizer, e.g."
+                    " `DelayCorrected(torch.optim.AdamW(params))`, or parameters together with `base`, e.g."
+                    " `DelayCorrected(params, base=partial(torch.optim.AdamW, lr=1e-3))`."
+                )
+            optimizer = params
+        else:
+            optimizer = (torch.optim.AdamW if base is None else base)(params)
+            if not isinstance(optimizer, Optimizer):
+                raise TypeError(
+                    f"`base` must build a `torch.optim.Optimizer` from the parameters, but it returned a"
+                    f" {type(optimizer).__name__}."
+                )
+        if isinstance(optimizer, DelayCorrected):
+            raise ValueError("The optimizer is already a `DelayCorrected`; wrap its base optimizer instead.")
+        # `Optimizer.__init__` would create new `param_groups` and `state`; the wrapper uses the base
+        # optimizer's, so only the hook bookkeeping is set up, the way unpickling does it.
+        self.__setstate__({"base_optimizer": optimizer, "coefficient": float(coefficient)})
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.base_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.base_optimizer.param_groups = value
+
+    @property
+    def state(self) -> dict[Tensor, Any]:
+        return self.base_optimizer.state
+
+    @state.setter
+    def state(self, value: dict[Tensor, Any]) -> None:
+        self.base_optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.base_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.base_optimizer.defaults = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"base_optimizer": self.base_optimizer, "coefficient": self.coefficient}
+
+    def __repr__(self) -> str:
+        base = "\n    ".join(repr(self.base_optimizer).splitlines())
+        return f"{type(self).__name__}(coefficient={self.coefficient},\n    {base}\n)"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the base optimizer; its parameters are corrected from their second step."""
+        self.base_optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as the base optimizer does."""
+        self.base_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state dict; it includes the previous updates."""
+        return self.base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by :meth:`state_dict`, previous updates included."""
+        self.base_optimizer.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one corrected optimization step.
+
+        Args:
+            closure: A callable that re-evaluates the model and returns the loss; called exactly once, before
+                the base optimizer's step.
+
+        Returns:
+            The closure's return value, or ``None`` without a closure.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.coefficient == 0:
+            self.base_optimizer.step()
+            return loss
+
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        updates = torch._foreach_mul(params, 1.0) if params else []
+        self.base_optimizer.step()
+        if not params:
+            return loss
+        # `updates` holds the weights before the step; subtracting the weights after it gives u_t.
+        torch._foreach_sub_(updates, params)
+
+        continuing, new_updates, previous = [], [], []
+        for param, update in zip(params, updates):
+            state = self.state[param]
+            if STATE_KEY in state:
+                continuing.append(param)
+                new_updates.append(update)
+                previous.append(state[STATE_KEY])
+            else:
+                state[STATE_KEY] = update
+        if continuing:
+            # w += c * (u_{t-1} - u_t), then keep u_t in the same buffer so its storage never changes.
+            torch._foreach_sub_(previous, new_updates)
+            torch._foreach_add_(continuing, previous, alpha=self.coefficient)
+            torch._foreach_copy_(previous, new_updates)
+        return loss

@@ -1,0 +1,336 @@
+"""Executes one stage's schedule: forwards, backwards, transfers and weight updates.
+
+The runtime is an interpreter for the action lists of :mod:`lightning_async_pp.pipeline.schedule`; it
+knows nothing of Lightning. One process runs one :class:`StageRuntime`.
+
+Weight versions. Each stage keeps ``num_buffers`` copies of its trainable parameters (two for ``"2bw"``,
+one for ``"1f1b"``), as separate leaf tensors, and runs its layers with
+:func:`torch.func.functional_call` on the copy of the version a micro-batch was pinned to. The optimizer's
+own ``nn.Parameter`` objects alias the newest copy, so optimizer state, schedulers and checkpoints see
+ordinary parameters. An update writes the new version into the copy nobody uses any more (its
+micro-batches are all done), never into a tensor an in-flight autograd graph saved.
+
+Update timing. ``UPDATE(t)`` runs as soon as the stage's last backward of step ``t`` is done. With
+gradient clipping, the global norm needs every stage's share, so the stage posts a non-blocking
+all-reduce and applies the update only when the new version is first needed (the first forward of step
+``t + 2``), which keeps the pipeline free of a barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.optim import Optimizer
+
+from lightning_async_pp.pipeline.comm import Channel
+from lightning_async_pp.pipeline.microbatch import split_microbatches
+from lightning_async_pp.pipeline.schedule import Action, Op, drain_actions, step_actions, validate, weight_version
+
+Key = tuple[int, int]  # (step, micro-batch)
+_NOT_HYPERPARAMETERS = ("params", "param_names")
+
+
+@dataclass
+class StepStats:
+    """Where one stage's time went while the trainer processed one step (seconds)."""
+
+    step: int
+    wall: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    wait: float = 0.0
+    update: float = 0.0
+    version_lag: int = 0
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.wait / self.wall if self.wall > 0 else 0.0
+
+
+@dataclass
+class _PendingUpdate:
+    step: int
+    grads: dict[str, Tensor]
+    norm_sq: Tensor | None = None
+    work: Any = None
+
+
+@dataclass
+class StageRuntime:
+    """One pipeline stage.
+
+    Args:
+        kind: ``"2bw"`` or ``"1f1b"``.
+        stage: This stage's index.
+        num_stages: Number of stages.
+        num_microbatches: Micro-batches per step.
+        layers: This stage's layers, in order.
+        optimizer: Optimizer over exactly the trainable parameters of ``layers``.
+        inputs_fn: First stage: turns a micro-batch into the first layer's input.
+        loss_fn: Last stage: ``loss_fn(output, microbatch)``, a scalar mean over the micro-batch.
+        device: Device of the stage.
+        prev_rank: Global rank of the previous stage (``None`` on the first stage).
+        next_rank: Global rank of the next stage (``None`` on the last stage).
+        clip_grad_norm: Clip the gradient of each step to this global norm (across all stages).
+        norm_group: Process group of all stages of this pipeline, for the clipping norm.
+        forward_context: Context manager factory around forwards (e.g. autocast).
+        trace: Record the start and end time of every action.
+    """
+
+    kind: str
+    stage: int
+    num_stages: int
+    num_microbatches: int
+    layers: Sequence[nn.Module]
+    optimizer: Optimizer
+    inputs_fn: Callable[[Any], Tensor]
+    loss_fn: Callable[[Tensor, Any], Tensor]
+    device: torch.device
+    prev_rank: int | None = None
+    next_rank: int | None = None
+    clip_grad_norm: float | None = None
+    norm_group: Any = None
+    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    trace: bool = False
+    start_version: int = 0
+    events: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        validate(self.kind, self.num_stages, self.num_microbatches)
+        self.module = nn.Sequential(*self.layers)
+        self.params = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
+        self.num_buffers = 2 if self.kind == "2bw" else 1
+        # The newest version's buffer aliases the parameters; the other 2BW buffer starts as a copy
+        # (w[-1] = w[0] at the start of training; a resumed run overwrites it with the saved version).
+        # `.data` (unlike `.detach()`) gives a tensor with its own autograd version counter: the optimizer's
+        # in-place steps on a parameter must not look like edits of a buffer an in-flight graph saved.
+        newest = {n: p.data.requires_grad_(True) for n, p in self.params.items()}
+        self.buffers: list[dict[str, Tensor]] = [newest]
+        if self.num_buffers == 2:
+            copy = {n: p.detach().clone().requires_grad_(True) for n, p in self.params.items()}
+            self.buffers = [newest, copy] if self.start_version % 2 == 0 else [copy, newest]
+        self.newest_version = self.start_version
+        self.run_start: int | None = None
+        self.last_step: int | None = None
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == self.num_stages - 1
+        self.prev = Channel(self.prev_rank, self.device) if self.prev_rank is not None else None
+        self.next = Channel(self.next_rank, self.device) if self.next_rank is not None else None
+        self._microbatches: dict[int, list[Any]] = {}
+        self._inflight: dict[Key, tuple[Tensor, Tensor]] = {}
+        self._received: dict[Key, Tensor] = {}
+        self._input_grads: dict[Key, Tensor] = {}
+        self._losses: dict[int, list[Tensor]] = {}
+        self._hyperparameters: dict[int, list[dict[str, Any]]] = {}
+        self._pending: list[_PendingUpdate] = []
+        self._stats: StepStats | None = None
+        self.versions_used: dict[int, int] = {}
+        self.update_log: list[tuple[int, int, int]] = []  # (step, gradient version, version produced)
+
+    # --- public API ------------------------------------------------------------------------------------
+
+    def run_step(self, step: int, batch: Any) -> tuple[Tensor | None, StepStats]:
+        """Execute this stage's share of ``step``. Returns the step's mean loss (last stage) and timings."""
+        if self.run_start is None:
+            self.run_start = step
+        start = time.perf_counter()
+        self._stats = StepStats(step)
+        self._hyperparameters[step] = [
+            {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS} for group in self.optimizer.param_groups
+        ]
+        self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
+        self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
+        self.last_step = step
+        del self._microbatches[step]
+        loss = torch.stack(self._losses.pop(step)).mean() if self.is_last else None
+        stats, self._stats = self._stats, None
+        stats.wall = time.perf_counter() - start
+        if self.update_log:
+            applied_step, gradient_version, produced = self.update_log[-1]
+            stats.version_lag = (produced - 1) - max(gradient_version, 0)
+        return loss, stats
+
+    def drain(self) -> None:
+        """Finish every started micro-batch and apply every pending update (empties the pipeline)."""
+        if self.run_start is not None and self.last_step is not None:
+            self._execute(
+                drain_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, self.last_step, self.run_start)
+            )
+        self._complete_updates(up_to_version=None)
+        for channel in (self.prev, self.next):
+            if channel is not None:
+                channel.wait_sends()
+        self.run_start = None
+        self._hyperparameters.clear()
+
+    @torch.no_grad()
+    def evaluate(self, batch: Any) -> Tensor | None:
+        """Forward one batch through the stage on the newest weights; returns the output on the last stage."""
+        x = self.inputs_fn(batch) if self.is_first else self.prev.recv()
+        with self.forward_context():
+            y = self.module(x)
+        if not self.is_last:
+            self.next.send(y)
+            return None
+        return y
+
+    def previous_weights(self) -> dict[str, Tensor]:
+        """The version before the newest one (what step ``newest`` will run on), keyed like the parameters."""
+        index = (self.newest_version - 1) % self.num_buffers
+        return {n: t.detach() for n, t in self.buffers[index].items()}
+
+    def load_previous_weights(self, state: dict[str, Tensor]) -> None:
+        index = (self.newest_version - 1) % self.num_buffers
+        with torch.no_grad():
+            for name, tensor in self.buffers[index].items():
+                tensor.copy_(state[name])
+
+    # --- the interpreter -------------------------------------------------------------------------------
+
+    def _execute(self, actions: list[Action]) -> None:
+        recv_ops = [a.op for a in actions if a.op in (Op.RECV_F, Op.RECV_B)]
+        if Op.RECV_F in recv_ops:
+            self.prev.prefetch()
+        if Op.RECV_B in recv_ops:
+            self.next.prefetch()
+        for index, action in enumerate(actions):
+            begin = time.perf_counter()
+            self._run(action, actions, index)
+            end = time.perf_counter()
+            if self.trace:
+                self.events.append((str(action), begin, end))
+
+    def _run(self, a: Action, actions: list[Action], index: int) -> None:
+        key = (a.step, a.microbatch)
+        stats = self._stats
+        op = a.op
+        if op is Op.FORWARD:
+            t0 = time.perf_counter()
+            self._forward(a, key)
+            if stats is not None:
+                stats.forward += time.perf_counter() - t0
+        elif op is Op.BACKWARD:
+            t0 = time.perf_counter()
+            self._backward(key)
+            if stats is not None:
+                stats.backward += time.perf_counter() - t0
+        elif op is Op.RECV_F or op is Op.RECV_B:
+            channel = self.prev if op is Op.RECV_F else self.next
+            t0 = time.perf_counter()
+            tensor = channel.recv()
+            if stats is not None:
+                stats.wait += time.perf_counter() - t0
+            (self._received if op is Op.RECV_F else self._input_grads)[key] = tensor
+            if any(later.op is op for later in actions[index + 1 :]):
+                channel.prefetch()
+        elif op is Op.SEND_F:
+            self.next.send(self._inflight[key][1])
+        elif op is Op.SEND_B:
+            self.prev.send(self._input_grads.pop(key))
+        elif op is Op.UPDATE:
+            t0 = time.perf_counter()
+            self._start_update(a.step)
+            if stats is not None:
+                stats.update += time.perf_counter() - t0
+
+    def _forward(self, a: Action, key: Key) -> None:
+        self._complete_updates(up_to_version=a.version)
+        microbatch = self._microbatches[a.step][a.microbatch]
+        if self.is_first:
+            x = self.inputs_fn(microbatch)
+        else:
+            x = self._received.pop(key)
+            if x.is_floating_point():
+                x.requires_grad_(True)
+        weights = self.buffers[a.version % self.num_buffers]
+        self.versions_used[a.step] = a.version
+        with self.forward_context():
+            y = functional_call(self.module, weights, (x,))
+            if self.is_last:
+                y = self.loss_fn(y, microbatch)
+                self._losses.setdefault(a.step, []).append(y.detach())
+        self._inflight[key] = (x, y)
+
+    def _backward(self, key: Key) -> None:
+        x, y = self._inflight.pop(key)
+        if self.is_last:
+            (y / self.num_microbatches).backward()
+        else:
+            torch.autograd.backward(y, self._input_grads.pop(key))
+        if not self.is_first:
+            self._input_grads[key] = x.grad
+
+    # --- updates -------------------------------------------------------------------------------------
+
+    def _start_update(self, step: int) -> None:
+        """Take step ``step``'s gradient off its buffer; apply now, or once the clipping norm is known."""
+        source = self.buffers[weight_version(self.kind, step) % self.num_buffers]
+        grads = {}
+        for name, tensor in source.items():
+            grads[name] = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+            tensor.grad = None
+        pending = _PendingUpdate(step, grads)
+        if self.clip_grad_norm is not None:
+            norms = [torch.linalg.vector_norm(g.float()) for g in grads.values()]
+            local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
+            pending.norm_sq = local.reshape(1)
+            if self.num_stages > 1:
+                pending.work = dist.all_reduce(pending.norm_sq, group=self.norm_group, async_op=True)
+            self._pending.append(pending)
+        else:
+            self._apply_update(pending)
+
+    def _complete_updates(self, up_to_version: int | None) -> None:
+        """Apply pending updates that produce a version ``<= up_to_version`` (all if ``None``)."""
+        while self._pending and (up_to_version is None or self._pending[0].step + 1 <= up_to_version):
+            pending = self._pending.pop(0)
+            if pending.work is not None:
+                pending.work.wait()
+            self._apply_update(pending)
+
+    @torch.no_grad()
+    def _apply_update(self, pending: _PendingUpdate) -> None:
+        step = pending.step
+        current = self.buffers[step % self.num_buffers]
+        target = self.buffers[(step + 1) % self.num_buffers]
+        scale = None
+        if pending.norm_sq is not None:
+            total = pending.norm_sq.sqrt()
+            scale = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
+        for name, param in self.params.items():
+            if target is not current:
+                target[name].copy_(current[name])
+            param.data = target[name].data
+            grad = pending.grads[name]
+            param.grad = grad.mul_(scale.to(grad.dtype)) if scale is not None else grad
+        with self._hyperparameters_of(step):
+            self.optimizer.step()
+        for param in self.params.values():
+            param.grad = None
+        self.update_log.append((step, self.versions_used.get(step, step), step + 1))
+        self.newest_version = step + 1
+
+    @contextlib.contextmanager
+    def _hyperparameters_of(self, step: int):
+        """Step ``step``'s update uses the learning rate (etc.) the trainer had set for that step."""
+        saved = self._hyperparameters.pop(step, None)
+        if saved is None:
+            yield
+            return
+        groups = self.optimizer.param_groups
+        now = [{k: group[k] for k in snapshot} for group, snapshot in zip(groups, saved)]
+        for group, snapshot in zip(groups, saved):
+            group.update(snapshot)
+        try:
+            yield
+        finally:
+            for group, values in zip(groups, now):
+                group.update(values)

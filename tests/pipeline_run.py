@@ -1,0 +1,94 @@
+"""Trains the tiny test GPT with AsyncPipelineStrategy and saves what a test compares.
+
+Run as a script (Lightning's launcher starts one process per stage):
+
+    python tests/pipeline_run.py --devices 2 --schedule 2bw --microbatches 4 --steps 20 --out DIR
+
+Rank 0 writes ``DIR/losses.json`` (the logged ``train/loss`` of every step); every rank writes its
+stage's weights to ``DIR/weights_rank{R}.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import loader, random_batches, tiny_gpt  # noqa: E402
+
+from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+
+
+def make_optimizer(name: str):
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    from lightning_async_pp.optim import DelayCorrected, Muon
+
+    if name == "muon":
+        return lambda params: Muon(params, lr=0.02, adamw_lr=1e-2)
+    if name == "corrected_muon":
+        return lambda params: DelayCorrected(Muon(params, lr=0.02, adamw_lr=1e-2))
+    raise ValueError(name)
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.bubbles: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        metrics = trainer.callback_metrics
+        if "train/loss" in metrics:
+            self.losses.append(float(metrics["train/loss"]))
+        if "pipeline/bubble_fraction" in metrics:
+            self.bubbles.append(float(metrics["pipeline/bubble_fraction"]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--schedule", default="2bw")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--split-points", type=str, default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    model = tiny_gpt(n_layer=args.layers, optimizer=make_optimizer(args.optimizer))
+    split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
+    strategy = AsyncPipelineStrategy(
+        schedule=args.schedule, num_microbatches=args.microbatches, split_points=split_points,
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )
+    recorder = Recorder()
+    trainer = Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder], gradient_clip_val=args.clip,
+    )
+    batches = random_batches(args.steps, batch_size=args.batch_size)
+    trainer.fit(model, train_dataloaders=loader(batches))
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = trainer.global_rank
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"weights_rank{rank}.pt")
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps({"losses": recorder.losses, "bubbles": recorder.bubbles}))
+
+
+if __name__ == "__main__":
+    main()

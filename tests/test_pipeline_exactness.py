@@ -1,0 +1,99 @@
+"""A real multi-process pipeline against the single-device trajectory (an independent code path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_async_pp import AsyncPipelineStrategy
+from helpers import fit, random_batches, tiny_gpt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_run import make_optimizer  # noqa: E402
+
+RUNNER = Path(__file__).parent / "pipeline_run.py"
+TIMEOUT = 420
+
+
+def run_pipeline(out: Path, devices: int, schedule: str, microbatches: int, steps: int, optimizer: str, *extra: str):
+    command = [
+        sys.executable, str(RUNNER), "--devices", str(devices), "--schedule", schedule,
+        "--microbatches", str(microbatches), "--steps", str(steps), "--optimizer", optimizer, "--out", str(out), *extra,
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    # A new session, so that a timeout can kill every rank the launcher started.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        pytest.fail(f"pipeline run timed out after {TIMEOUT}s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-6000:]
+    result = json.loads((out / "losses.json").read_text())
+    weights = {}
+    for rank in range(devices):
+        weights.update(torch.load(out / f"weights_rank{rank}.pt"))
+    return result, weights
+
+
+def reference(schedule: str, microbatches: int, steps: int, optimizer: str):
+    torch.set_num_threads(1)
+    model = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer))
+    losses = fit(model, random_batches(steps), strategy=AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches))
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_same_run(result, weights, ref_losses, ref_weights, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=rtol, atol=atol)
+    assert sorted(weights) == sorted(ref_weights)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+CASES = [
+    pytest.param(2, "2bw", 2, "adamw", id="P2-M2-2bw-adamw"),
+    pytest.param(2, "2bw", 4, "adamw", id="P2-M4-2bw-adamw"),
+    pytest.param(2, "1f1b", 4, "adamw", id="P2-M4-1f1b-adamw"),
+    pytest.param(2, "2bw", 4, "corrected_muon", id="P2-M4-2bw-corrected_muon"),
+]
+SLOW_CASES = [
+    pytest.param(2, "1f1b", 2, "corrected_muon", id="P2-M2-1f1b-corrected_muon"),
+    pytest.param(4, "2bw", 4, "adamw", id="P4-M4-2bw-adamw"),
+    pytest.param(4, "2bw", 8, "adamw", id="P4-M8-2bw-adamw"),
+    pytest.param(4, "1f1b", 8, "adamw", id="P4-M8-1f1b-adamw"),
+    pytest.param(4, "2bw", 4, "corrected_muon", id="P4-M4-2bw-corrected_muon"),
+]
+
+
+@pytest.mark.parametrize(("devices", "schedule", "microbatches", "optimizer"), CASES)
+def test_pipeline_matches_single_device(tmp_path, devices, schedule, microbatches, optimizer):
+    steps = 20
+    result, weights = run_pipeline(tmp_path, devices, schedule, microbatches, steps, optimizer)
+    ref_losses, ref_weights = reference(schedule, microbatches, steps, optimizer)
+    assert len(result["losses"]) == steps
+    assert_same_run(result, weights, ref_losses, ref_weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("devices", "schedule", "microbatches", "optimizer"), SLOW_CASES)
+def test_pipeline_matches_single_device_slow(tmp_path, devices, schedule, microbatches, optimizer):
+    steps = 20
+    result, weights = run_pipeline(tmp_path, devices, schedule, microbatches, steps, optimizer)
+    ref_losses, ref_weights = reference(schedule, microbatches, steps, optimizer)
+    assert_same_run(result, weights, ref_losses, ref_weights)
+
+
+def test_pipeline_2bw_is_not_synchronous(tmp_path):
+    """Guards the exactness tests: the 2BW pipeline must differ from the synchronous reference."""
+    result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 6, "sgd")
+    sync_losses, sync_weights = reference("1f1b", 2, 6, "sgd")
+    difference = max((weights[k] - v).abs().max().item() for k, v in sync_weights.items())
+    assert difference > 1e-4
