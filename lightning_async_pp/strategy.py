@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -35,16 +36,12 @@ from lightning_async_pp.pipeline import schedule as schedules
 from lightning_async_pp.pipeline.contract import is_pipeline_module, require_pipeline_module, run_layers
 from lightning_async_pp.pipeline.delayed import DelayedWeights
 from lightning_async_pp.pipeline.microbatch import split_microbatches
-from lightning_async_pp.pipeline.partition import (
-    balanced_partition,
-    count_parameters,
-    partition_from_split_points,
-    stage_ranges,
-)
-from lightning_async_pp.pipeline.placement import keep_only_layers, materialize
+from lightning_async_pp.pipeline.partition import count_parameters
+from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats
 
-log = logging.getLogger(__name__)
+# A child of Lightning's logger, so each rank's placement line is shown with Lightning's own messages.
+log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 
 SCHEDULES = schedules.SCHEDULES
 CHECKPOINT_KEY = "async_pp"
@@ -80,8 +77,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         split_points: Explicit stage boundaries as layer indices: stage ``k`` starts at layer
             ``split_points[k-1]`` (``P-1`` increasing values). ``None`` balances the stages by ``balance``.
         balance: What to balance when ``split_points`` is not given: ``"parameters"`` (parameter count per
-            layer) or a list with one cost per layer (for example measured forward+backward times, see
-            :func:`lightning_async_pp.pipeline.partition.measure_layer_times`).
+            layer), ``"time"`` (forward+backward time of each layer, measured on rank 0 with the module's
+            ``example_input_array`` as the first layer's input), or a list with one cost per layer.
         trace_dir: If set, each stage writes a Chrome trace (``chrome://tracing`` / Perfetto JSON) of the
             actions it executed, with their real start and end times, to this folder.
         start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
@@ -102,7 +99,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         schedule: str = "2bw",
         num_microbatches: int = 1,
         split_points: Sequence[int] | None = None,
-        balance: Literal["parameters"] | Sequence[float] = "parameters",
+        balance: Literal["parameters", "time"] | Sequence[float] = "parameters",
         trace_dir: str | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
         accelerator: Any = None,
@@ -126,8 +123,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
             )
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"`num_microbatches` must be a positive integer, got {num_microbatches!r}.")
-        if not (balance == "parameters" or (not isinstance(balance, str) and len(balance) > 0)):
-            raise ValueError(f"`balance` must be 'parameters' or a list of per-layer costs, got {balance!r}.")
+        if not (balance in ("parameters", "time") or (not isinstance(balance, str) and len(balance) > 0)):
+            raise ValueError(f"`balance` must be 'parameters', 'time' or a list of per-layer costs, got {balance!r}.")
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"`start_method` must be 'popen' or 'spawn', got {start_method!r}.")
         self.schedule = schedule
@@ -213,6 +210,28 @@ class AsyncPipelineStrategy(ParallelStrategy):
             _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
 
     @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # `trainer.init_module(empty_init=True)` builds a multi-stage model on the meta device: each rank
+        # materialises only its own stage's layers in `setup`.
+        if self.num_stages > 1 and empty_init:
+            with torch.device("meta"):
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Layers created in `configure_model` start on the meta device too.
+        if self.num_stages > 1:
+            with torch.device("meta"):
+                yield
+            return
+        yield
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -238,20 +257,24 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def layer_partition(self, module: LightningModule) -> list[range]:
         """The layers of each stage, from ``split_points`` or balanced by ``balance``."""
         layers = list(module.pipeline_layers())
-        if self.split_points is not None:
-            starts = partition_from_split_points(len(layers), self.split_points, self.num_stages)
-        else:
-            if self.balance == "parameters":
-                costs = [float(count_parameters(layer)) for layer in layers]
-            else:
-                costs = list(self.balance)
-                if len(costs) != len(layers):
-                    raise ValueError(
-                        f"`balance` has {len(costs)} costs but the model has {len(layers)} pipeline layers; "
-                        "give one cost per layer of `pipeline_layers()`."
-                    )
-            starts = balanced_partition(costs, self.num_stages)
-        return stage_ranges(starts, len(layers))
+        costs = None
+        if self.split_points is None and self.balance == "time":
+            costs = self._measured_layer_times(module, layers)
+        elif self.split_points is None and not isinstance(self.balance, str):
+            costs = self.balance
+        return partition_layers(layers, self.num_stages, self.split_points, costs)
+
+    def _measured_layer_times(self, module: LightningModule, layers: list[nn.Module]) -> list[float]:
+        example = getattr(module, "example_input_array", None)
+        if not isinstance(example, Tensor):
+            raise MisconfigurationException(
+                "balance='time' times every layer on `example_input_array`, which is not set. Set "
+                "`self.example_input_array` in your LightningModule to the first layer's input for one "
+                "micro-batch, or use balance='parameters' or explicit `split_points`."
+            )
+        costs = measure_layer_times(layers, example) if self.global_rank == 0 else None
+        # Every rank must cut the model the same way: rank 0's measurement decides.
+        return self.broadcast(costs, src=0)
 
     def _place_stage(self, module: LightningModule) -> None:
         layers = list(module.pipeline_layers())
@@ -267,6 +290,12 @@ class AsyncPipelineStrategy(ParallelStrategy):
         count = sum(count_parameters(layers[i]) for i in own)
         log.info(f"[rank {self.global_rank}] pipeline stage {self.stage}/{self.num_stages}: layers {names} ({count:,} parameters)")
         self._stage_modules = [layers[i] for i in own]
+        leftover = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+        if leftover:
+            raise MisconfigurationException(
+                f"{type(module).__name__} has parameters or buffers outside of `pipeline_layers()` that are still on "
+                f"the meta device: {leftover[:5]}. Every parameter must belong to exactly one pipeline layer."
+            )
 
     def _build_runtime(self, trainer: Trainer) -> StageRuntime:
         if trainer.gradient_clip_algorithm not in (None, "norm"):

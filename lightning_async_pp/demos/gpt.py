@@ -87,12 +87,14 @@ class Head(nn.Module):
 
 def init_layer(layer: nn.Module, seed: int) -> None:
     """GPT-2 style initialisation of one layer from its own seed (N(0, 0.02) weights, zero biases)."""
+    if any(p.is_meta for p in layer.parameters()):
+        return  # built on the meta device: the pipeline stage that owns the layer initialises it
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for module in layer.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             weight = torch.randn(module.weight.shape, generator=generator) * 0.02
             with torch.no_grad():
-                module.weight.copy_(weight)
+                module.weight.copy_(weight.to(module.weight.device))
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
@@ -162,6 +164,9 @@ class GPT(LightningModule):
 
     def reset_pipeline_layer(self, index: int, layer: nn.Module) -> None:
         init_layer(layer, self.hparams.init_seed + index)
+
+    def pipeline_validation_step(self, output: Tensor, batch: Batch, batch_idx: int) -> None:
+        self.validation_metrics(output, batch)
 
     # --- plain LightningModule --------------------------------------------------------------------
 

@@ -9,8 +9,12 @@ to one tensor, plus two functions around them::
     loss = module.pipeline_loss(x, batch)        # on the last stage: a scalar, mean over the batch
 
 The loss must be a mean over the (micro-)batch, so that averaging the losses of equal micro-batches gives
-the loss of the whole batch. Optionally, ``reset_pipeline_layer(index, layer)`` (re)initialises one layer
-by itself; a stage that materialises only its own layers from the meta device calls it.
+the loss of the whole batch. Two methods are optional:
+
+- ``reset_pipeline_layer(index, layer)`` (re)initialises one layer by itself; a stage that materialises
+  only its own layers from the meta device calls it (otherwise each submodule's ``reset_parameters()``).
+- ``pipeline_validation_step(output, batch, batch_idx)`` runs on the last stage during validation with
+  the last layer's output; by default the strategy logs ``val/loss`` from ``pipeline_loss``.
 
 Nothing is traced: the strategy calls these methods and nothing else, so what runs is what you wrote.
 """

@@ -1,11 +1,19 @@
-"""Keeping only a stage's layers on a rank, and materialising them from the meta device."""
+"""Which layers go to which stage, keeping only a stage's layers on a rank, materialising them from meta."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from lightning_async_pp.pipeline.partition import (
+    balanced_partition,
+    count_parameters,
+    partition_from_split_points,
+    stage_ranges,
+)
 
 
 class RemoteLayer(nn.Module):
@@ -64,3 +72,57 @@ def materialize(root: nn.Module, index: int, layer: nn.Module, device: torch.dev
     for module in layer.modules():
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
+
+
+def partition_layers(
+    layers: Sequence[nn.Module],
+    num_stages: int,
+    split_points: Sequence[int] | None = None,
+    costs: Sequence[float] | None = None,
+) -> list[range]:
+    """The contiguous layer ranges of each stage.
+
+    Args:
+        layers: The model's pipeline layers, in order (may live on the meta device).
+        num_stages: Number of stages.
+        split_points: Explicit boundaries (stage ``k`` starts at layer ``split_points[k-1]``), or ``None``.
+        costs: One cost per layer to balance; ``None`` balances parameter counts.
+    """
+    if split_points is not None:
+        starts = partition_from_split_points(len(layers), split_points, num_stages)
+    else:
+        if costs is None:
+            costs = [float(count_parameters(layer)) for layer in layers]
+        elif len(costs) != len(layers):
+            raise ValueError(
+                f"Got {len(costs)} layer costs but the model has {len(layers)} pipeline layers; "
+                "give one cost per layer of `pipeline_layers()`."
+            )
+        starts = balanced_partition(costs, num_stages)
+    return stage_ranges(starts, len(layers))
+
+
+def measure_layer_times(layers: Sequence[nn.Module], example_input: Tensor, repeats: int = 3) -> list[float]:
+    """Forward plus backward seconds of each layer (median of ``repeats``), fed by the previous layer.
+
+    Args:
+        layers: Materialised layers, in order.
+        example_input: The first layer's input (``pipeline_inputs`` of one micro-batch).
+        repeats: Timed repetitions per layer, after one warm-up.
+    """
+    if any(is_meta(layer) for layer in layers):
+        raise ValueError("Layer times can only be measured on materialised layers, not on the meta device.")
+    times = []
+    x = example_input
+    for layer in layers:
+        samples = []
+        for _ in range(repeats + 1):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            out.backward(torch.ones_like(out))
+            samples.append(time.perf_counter() - start)
+        layer.zero_grad(set_to_none=True)
+        times.append(sorted(samples[1:])[len(samples[1:]) // 2])
+        x = out.detach()
+    return times
