@@ -120,8 +120,8 @@ class DelayCorrected(Optimizer):
         return {"base_optimizer": self.base_optimizer, "coefficient": self.coefficient}
 
     def __repr__(self) -> str:
-        base = "\n    ".join(repr(self.base_optimizer).splitlines())
-        return f"{type(self).__name__}(coefficient={self.coefficient},\n    {base}\n)"
+        base = "\n".join(f"    {line}" if line else "" for line in repr(self.base_optimizer).splitlines())
+        return f"{type(self).__name__}(coefficient={self.coefficient},\n{base}\n)"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the base optimizer; its parameters are corrected from their second step."""
@@ -159,25 +159,42 @@ class DelayCorrected(Optimizer):
             return loss
 
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        updates = torch._foreach_mul(params, 1.0) if params else []
-        self.base_optimizer.step()
-        if not params:
-            return loss
-        # `updates` holds the weights before the step; subtracting the weights after it gives u_t.
-        torch._foreach_sub_(updates, params)
-
-        continuing, new_updates, previous = [], [], []
-        for param, update in zip(params, updates):
-            state = self.state[param]
-            if STATE_KEY in state:
-                continuing.append(param)
-                new_updates.append(update)
-                previous.append(state[STATE_KEY])
-            else:
-                state[STATE_KEY] = update
+        continuing = [p for p in params if STATE_KEY in self.state[p]]
+        first = [p for p in params if STATE_KEY not in self.state[p]]
+        # On a parameter's first step its snapshot becomes its buffer; afterwards snapshots are temporary.
+        first_updates = [p.clone() for p in first]
+        updates = _empty_like_in_one_block(continuing)
         if continuing:
-            # w += c * (u_{t-1} - u_t), then keep u_t in the same buffer so its storage never changes.
-            torch._foreach_sub_(previous, new_updates)
+            torch._foreach_copy_(updates, continuing)
+        self.base_optimizer.step()
+
+        for param, update in zip(first, first_updates):
+            self.state[param][STATE_KEY] = update.sub_(param)
+        if continuing:
+            # u_t = w_before - w_after; then w_after + c * (u_{t-1} - u_t), and u_t is copied into the old
+            # buffer rather than replacing it, so that the persistent state is never reallocated.
+            previous = [self.state[p][STATE_KEY] for p in continuing]
+            torch._foreach_sub_(updates, continuing)
+            torch._foreach_sub_(previous, updates)
             torch._foreach_add_(continuing, previous, alpha=self.coefficient)
-            torch._foreach_copy_(previous, new_updates)
+            torch._foreach_copy_(previous, updates)
         return loss
+
+
+def _empty_like_in_one_block(tensors: list[Tensor]) -> list[Tensor]:
+    """Uninitialized tensors shaped like ``tensors``, backed by one allocation per device and dtype.
+
+    Freeing many parameter-sized blocks every step lets the CPU allocator hand the memory back to the
+    operating system and fault it in again on the next step, which costs more than the arithmetic; a single
+    block of the same size every step is kept by the allocator and reused.
+    """
+    blocks: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        blocks.setdefault((tensor.device, tensor.dtype), []).append(index)
+    out: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for (device, dtype), indices in blocks.items():
+        sizes = [tensors[i].numel() for i in indices]
+        block = torch.empty(sum(sizes), device=device, dtype=dtype)
+        for i, chunk in zip(indices, block.split(sizes)):
+            out[i] = chunk.view_as(tensors[i])
+    return out

@@ -1,0 +1,357 @@
+"""`lightning_async_pp.optim.DelayCorrected` against closed forms and a hand-written reference."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from functools import partial
+
+import pytest
+import torch
+from jsonargparse import ArgumentParser
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI, OptimizerCallable
+
+from lightning_async_pp.optim import DelayCorrected, Muon
+
+LR = 0.1
+
+
+def make_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(6, 4), (4, 8), (5,), (8,)]
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def set_grads(params, step: int) -> None:
+    """Gradients that depend on the weights, so any difference in the update shows up later as well."""
+    generator = torch.Generator().manual_seed(100 + step)
+    for param in params:
+        param.grad = param.detach() * 0.3 + torch.randn(param.shape, generator=generator)
+
+
+def muon_factory(params):
+    return Muon(params, lr=0.05, weight_decay=0.1, adamw_lr=0.01, adamw_weight_decay=0.1)
+
+
+def adamw_factory(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def reference_trajectory(params, base_factory, coefficient: float, steps: int, lr_at=None):
+    """Runs an independent base optimizer, records each update it makes and applies the correction."""
+    base = base_factory(params)
+    previous = None
+    for step in range(steps):
+        if lr_at is not None:
+            for group in base.param_groups:
+                group["lr"] = lr_at(step, group["initial_lr"])
+        set_grads(params, step)
+        before = [p.detach().clone() for p in params]
+        base.step()
+        with torch.no_grad():
+            update = [b - p for b, p in zip(before, params)]
+            if previous is not None:
+                for p, u, u_prev in zip(params, update, previous):
+                    p.sub_(coefficient * (u - u_prev))
+        previous = update
+    return params
+
+
+def run(params, optimizer, steps, scheduler=None):
+    for step in steps:
+        set_grads(params, step)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+@pytest.mark.parametrize("coefficient", [1.0, 0.5])
+def test_sgd_matches_closed_form(coefficient):
+    """w[t+1] = w[t] - (1 + c) lr g[t] + c lr g[t-1]; the first step is plain SGD."""
+    generator = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(shape, generator=generator) for shape in [(3, 2), (4,)]] for _ in range(6)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in [(3, 2), (4,)]]
+    expected = [p.detach().double().clone() for p in params]
+    optimizer = DelayCorrected(torch.optim.SGD(params, lr=LR), coefficient=coefficient)
+
+    for step, step_grads in enumerate(grads):
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.clone()
+        optimizer.step()
+        for i, grad in enumerate(step_grads):
+            expected[i] -= (1 + coefficient) * LR * grad.double() if step else LR * grad.double()
+            if step:
+                expected[i] += coefficient * LR * grads[step - 1][i].double()
+        for param, value in zip(params, expected):
+            torch.testing.assert_close(param.detach().double(), value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("coefficient", [1.0, 0.5])
+@pytest.mark.parametrize("base", [adamw_factory, muon_factory], ids=["adamw", "muon"])
+def test_matches_reference_over_adamw_and_muon(base, coefficient):
+    params = make_params()
+    expected = reference_trajectory(clone_params(params), base, coefficient, steps=10)
+    optimizer = DelayCorrected(base(params), coefficient=coefficient)
+    run(params, optimizer, range(10))
+    plain = make_params()
+    run(plain, base(plain), range(10))
+    for ours, ref, uncorrected in zip(params, expected, plain):
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+        assert not torch.allclose(ours, uncorrected, atol=1e-4), "the correction had no effect"
+
+
+@pytest.mark.parametrize("base", [adamw_factory, muon_factory], ids=["adamw", "muon"])
+def test_coefficient_zero_is_the_base_optimizer_bitwise(base):
+    params, plain = make_params(), make_params()
+    run(params, DelayCorrected(base(params), coefficient=0.0), range(5))
+    run(plain, base(plain), range(5))
+    for ours, ref in zip(params, plain):
+        assert torch.equal(ours, ref)
+
+
+def test_factory_form_builds_the_base_optimizer():
+    params = make_params()
+    optimizer = DelayCorrected(params, base=partial(torch.optim.SGD, lr=LR), coefficient=0.5)
+    assert isinstance(optimizer.base_optimizer, torch.optim.SGD)
+    assert optimizer.param_groups is optimizer.base_optimizer.param_groups
+    assert optimizer.state is optimizer.base_optimizer.state
+    assert optimizer.defaults is optimizer.base_optimizer.defaults
+    default = DelayCorrected(make_params())
+    assert type(default.base_optimizer) is torch.optim.AdamW
+    assert default.coefficient == 1.0
+
+
+def test_invalid_arguments_are_refused():
+    params = make_params()
+    with pytest.raises(ValueError, match="coefficient.*>= 0"):
+        DelayCorrected(torch.optim.SGD(params, lr=LR), coefficient=-0.5)
+    with pytest.raises(ValueError, match="either an optimizer"):
+        DelayCorrected(torch.optim.SGD(params, lr=LR), base=torch.optim.AdamW)
+    with pytest.raises(TypeError, match="returned a list"):
+        DelayCorrected(params, base=list)
+    with pytest.raises(ValueError, match="already a `DelayCorrected`"):
+        DelayCorrected(DelayCorrected(torch.optim.SGD(params, lr=LR)))
+
+
+def test_closure_is_called_exactly_once_and_its_result_returned():
+    params = make_params()
+    optimizer = DelayCorrected(torch.optim.SGD(params, lr=LR))
+    calls = []
+
+    def closure():
+        calls.append(1)
+        set_grads(params, 0)
+        return torch.tensor(2.5)
+
+    for _ in range(2):
+        assert optimizer.step(closure) == 2.5
+    assert len(calls) == 2
+
+
+def test_parameters_without_gradient_are_left_alone():
+    params = make_params()
+    frozen = params[2]
+    before = frozen.detach().clone()
+    optimizer = DelayCorrected(torch.optim.AdamW(params, lr=0.01))
+    for step in range(3):
+        set_grads(params, step)
+        frozen.grad = None
+        optimizer.step()
+    assert torch.equal(frozen, before)
+    assert "previous_update" not in optimizer.state[frozen]
+
+
+def test_lr_scheduler_through_the_wrapper_matches_closed_form():
+    """SGD with lr[t]: w[t+1] = w[t] - 2 lr[t] g[t] + lr[t-1] g[t-1]."""
+    generator = torch.Generator().manual_seed(4)
+    grads = [torch.randn(5, generator=generator) for _ in range(5)]
+    param = torch.nn.Parameter(torch.randn(5, generator=generator))
+    expected = param.detach().double().clone()
+    optimizer = DelayCorrected(torch.optim.SGD([param], lr=LR))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    for step, grad in enumerate(grads):
+        param.grad = grad.clone()
+        optimizer.step()
+        scheduler.step()
+        lr, previous_lr = LR * 0.5**step, LR * 0.5 ** (step - 1)
+        expected -= 2 * lr * grad.double() - previous_lr * grads[step - 1].double() if step else lr * grad.double()
+        torch.testing.assert_close(param.detach().double(), expected, atol=1e-6, rtol=0)
+
+
+def test_lr_scheduler_reaches_both_muon_parts_through_the_wrapper():
+    def lr_at(step, base):
+        return base / (1 + step)
+
+    params = make_params()
+    reference_params = clone_params(params)
+
+    def scheduled_reference(params):
+        optimizer = muon_factory(params)
+        for group in optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
+        return optimizer
+
+    expected = reference_trajectory(reference_params, scheduled_reference, 1.0, steps=6, lr_at=lr_at)
+    optimizer = DelayCorrected(params, base=muon_factory)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    run(params, optimizer, range(6), scheduler)
+    for ours, ref in zip(params, expected):
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("base", [adamw_factory, muon_factory], ids=["adamw", "muon"])
+def test_state_dict_round_trip_continues_bitwise(base):
+    params = make_params()
+    optimizer = DelayCorrected(base(params))
+    run(params, optimizer, range(3))
+    state_dict = optimizer.state_dict()
+    assert all("previous_update" in state for state in state_dict["state"].values())
+
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    resumed_params = clone_params(params)
+    resumed = DelayCorrected(base(resumed_params))
+    resumed.load_state_dict(torch.load(buffer))
+
+    run(params, optimizer, range(3, 8))
+    run(resumed_params, resumed, range(3, 8))
+    for ours, ref in zip(params, resumed_params):
+        assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("base", [adamw_factory, muon_factory], ids=["adamw", "muon"])
+def test_no_new_persistent_buffers_after_the_first_step(base):
+    params = make_params()
+    optimizer = DelayCorrected(base(params))
+
+    def storage():
+        return {
+            (i, key): value.data_ptr()
+            for i, p in enumerate(params)
+            for key, value in optimizer.state[p].items()
+            if torch.is_tensor(value) and value.numel() > 1
+        }
+
+    run(params, optimizer, range(1))
+    after_first = storage()
+    assert sum(key == "previous_update" for _, key in after_first) == len(params)
+    run(params, optimizer, range(1, 5))
+    assert storage() == after_first
+
+
+def test_copies_share_nothing_with_the_original():
+    params = make_params()
+    optimizer = DelayCorrected(torch.optim.AdamW(params, lr=0.01))
+    run(params, optimizer, range(2))
+    for copied in (copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer))):
+        assert copied.param_groups is copied.base_optimizer.param_groups
+        assert copied.coefficient == 1.0
+        assert "DelayCorrected(coefficient=1.0" in repr(copied)
+        copied.param_groups[0]["lr"] = 0.0
+    assert optimizer.param_groups[0]["lr"] == 0.01
+
+
+YAML_CORRECTED_ADAMW = """
+optimizer:
+  class_path: lightning_async_pp.optim.DelayCorrected
+  init_args:
+    base:
+      class_path: torch.optim.AdamW
+      init_args: {lr: 0.001}
+    coefficient: 1.0
+"""
+
+YAML_CORRECTED_MUON = """
+optimizer:
+  class_path: lightning_async_pp.optim.DelayCorrected
+  init_args:
+    base:
+      class_path: lightning_async_pp.optim.Muon
+      init_args:
+        lr: 0.02
+        adjust_lr_fn: match_rms_adamw
+        adamw_lr: 0.001
+    coefficient: 0.5
+"""
+
+YAML_MUON = """
+optimizer:
+  class_path: lightning_async_pp.optim.Muon
+  init_args:
+    lr: 0.02
+    weight_decay: 0.1
+    adamw_lr: 0.0003
+    adamw_betas: [0.9, 0.95]
+    adamw_patterns: ["*embed*", "*lm_head*"]
+"""
+
+
+def parse_optimizer_callable(yaml: str):
+    parser = ArgumentParser()
+    parser.add_argument("--optimizer", type=OptimizerCallable)
+    return parser.instantiate(parser.parse_string(yaml)).optimizer
+
+
+def named_model_parameters():
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(7, 4), "fc": torch.nn.Linear(4, 4)})
+    return model.named_parameters()
+
+
+def test_yaml_forms_through_jsonargparse():
+    corrected_adamw = parse_optimizer_callable(YAML_CORRECTED_ADAMW)(named_model_parameters())
+    assert isinstance(corrected_adamw, DelayCorrected) and corrected_adamw.coefficient == 1.0
+    assert type(corrected_adamw.base_optimizer) is torch.optim.AdamW
+    assert corrected_adamw.param_groups[0]["lr"] == 0.001
+
+    corrected_muon = parse_optimizer_callable(YAML_CORRECTED_MUON)(named_model_parameters())
+    assert corrected_muon.coefficient == 0.5 and isinstance(corrected_muon.base_optimizer, Muon)
+    muon_group, adamw_group = corrected_muon.param_groups
+    assert muon_group["param_names"] == ["fc.weight"] and muon_group["adjust_lr_fn"] == "match_rms_adamw"
+    assert muon_group["lr"] == 0.02 and adamw_group["lr"] == 0.001
+
+    muon = parse_optimizer_callable(YAML_MUON)(named_model_parameters())
+    assert isinstance(muon, Muon) and muon.adamw_patterns == ("*embed*", "*lm_head*")
+    assert [g["param_names"] for g in muon.param_groups] == [["fc.weight"], ["embed.weight", "fc.bias"]]
+    assert muon.param_groups[1]["betas"] == (0.9, 0.95)
+
+
+class TinyModel(LightningModule):
+    def __init__(self, optimizer: OptimizerCallable | None = None):
+        super().__init__()
+        self.optimizer_factory = optimizer
+        self.embed = torch.nn.Embedding(7, 4)
+        self.fc = torch.nn.Linear(4, 7)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.fc(self.embed(batch)), batch)
+
+    def configure_optimizers(self):
+        return self.optimizer_factory(self.named_parameters())
+
+
+def test_trains_inside_lightning_from_a_lightning_cli_config(tmp_path):
+    """The demo's pattern: the model takes an `OptimizerCallable` and calls it on `named_parameters()`."""
+    config = tmp_path / "config.yaml"
+    config.write_text("model:" + YAML_CORRECTED_MUON.replace("\n", "\n  "))
+    cli = LightningCLI(
+        TinyModel, run=False, args=["--config", str(config)], save_config_callback=None,
+        trainer_defaults={"default_root_dir": str(tmp_path)},
+    )
+    model = cli.model
+    before = model.fc.weight.detach().clone()
+    trainer = Trainer(
+        max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(torch.randint(0, 7, (12,)), batch_size=4))
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, DelayCorrected) and isinstance(optimizer.base_optimizer, Muon)
+    assert "previous_update" in optimizer.state[model.fc.weight]
+    assert not torch.equal(model.fc.weight, before)
