@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -253,6 +254,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         super().setup(trainer)
         if self.num_stages > 1 and trainer.state.fn == TrainerFn.FITTING:
             self._runtime = self._build_runtime(trainer)
+            # Stages apply their first update inside a later step, after Lightning has stepped the scheduler;
+            # each update uses the learning rate of its own step (see StageRuntime), so the warning is moot.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
 
     def layer_partition(self, module: LightningModule) -> list[range]:
         """The layers of each stage, from ``split_points`` or balanced by ``balance``."""
@@ -286,6 +290,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         for index in own:
             if any(t.is_meta for t in (*layers[index].parameters(), *layers[index].buffers())):
                 materialize(module, index, layers[index], self.root_device)
+        self._localize_metrics(module)
         names = ", ".join(f"{i}:{type(layers[i]).__name__}" for i in own)
         count = sum(count_parameters(layers[i]) for i in own)
         log.info(f"[rank {self.global_rank}] pipeline stage {self.stage}/{self.num_stages}: layers {names} ({count:,} parameters)")
@@ -296,6 +301,15 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"{type(module).__name__} has parameters or buffers outside of `pipeline_layers()` that are still on "
                 f"the meta device: {leftover[:5]}. Every parameter must belong to exactly one pipeline layer."
             )
+
+    @staticmethod
+    def _localize_metrics(module: LightningModule) -> None:
+        """Metrics are updated on the last stage only: syncing them across all ranks would wait forever."""
+        from torchmetrics import Metric
+
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.distributed_available_fn = lambda: False
 
     def _build_runtime(self, trainer: Trainer) -> StageRuntime:
         if trainer.gradient_clip_algorithm not in (None, "norm"):

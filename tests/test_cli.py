@@ -46,3 +46,20 @@ def test_quickstart_logs_every_step(tmp_path):
     # Perplexity is exp(mean token loss).
     for loss, ppl in zip(logged["val/loss"], logged["val/perplexity"]):
         assert abs(ppl.value - 2.718281828 ** loss.value) / ppl.value < 1e-3
+
+
+def test_two_stages_log_the_same_loss_curve_as_one_device(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    run_cli(one, "--trainer.devices", "1")
+    run_cli(two, "--trainer.devices", "2")
+    curve_one = [e.value for e in scalars(one / "quickstart" / "version_0")["train/loss"]]
+    logged_two = scalars(two / "quickstart" / "version_0")
+    curve_two = [e.value for e in logged_two["train/loss"]]
+    assert len(curve_one) == len(curve_two) == 6
+    for a, b in zip(curve_one, curve_two):
+        assert abs(a - b) <= 1e-5 * abs(a), (curve_one, curve_two)
+    assert "pipeline/bubble_fraction" in logged_two
+    # Validation ran through both stages and logged on rank 0.
+    assert len(logged_two["val/loss"]) == 2
