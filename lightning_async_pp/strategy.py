@@ -40,6 +40,7 @@ from lightning_async_pp.pipeline.microbatch import split_microbatches
 from lightning_async_pp.pipeline.partition import count_parameters
 from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats
+from lightning_async_pp.pipeline.stats import StatsRelay
 
 # A child of Lightning's logger, so each rank's placement line is shown with Lightning's own messages.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
@@ -141,7 +142,12 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._microbatch_losses: list[Tensor] | None = None
         self._restored: dict[str, Any] | None = None
         self._runtime: StageRuntime | None = None
+        self._relay: StatsRelay | None = None
+        self._steps_run = 0
+        self._pending_stage_stats: dict[int, dict[int, StepStats]] = {}
         self.stage_layers: range | None = None
+        self.stage_stats: dict[int, list[StepStats]] = {}
+        """On global rank 0: every stage's :class:`StepStats`, per stage, in step order."""
 
     # --- processes and placement ---------------------------------------------------------------------
 
@@ -254,6 +260,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         super().setup(trainer)
         if self.num_stages > 1 and trainer.state.fn == TrainerFn.FITTING:
             self._runtime = self._build_runtime(trainer)
+            self._relay = StatsRelay(self.global_rank, self.num_stages, dist.new_group(backend="gloo"))
+            self._steps_run = 0
             # Stages apply their first update inside a later step, after Lightning has stepped the scheduler;
             # each update uses the learning rate of its own step (see StageRuntime), so the warning is moot.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
@@ -356,9 +364,13 @@ class AsyncPipelineStrategy(ParallelStrategy):
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
         if self._runtime is not None:
             loss, stats = self._runtime.run_step(self.lightning_module.trainer.global_step, batch)
+            self._steps_run += 1
             if loss is not None:
                 module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-            self._log_stats(stats)
+            self._relay.publish(stats)
+            if self.is_global_zero:
+                self._record_stats(self.stage, stats)
+                self._relay.poll(lambda rank, s: self._record_stats(self.num_stages - 1 - rank, s), self._steps_run)
             # The gradients are already in place; `backward` skips this detached value. Only the last
             # stage (rank 0) knows the loss.
             return loss if loss is not None else torch.tensor(float("nan"), device=self.root_device)
@@ -370,20 +382,26 @@ class AsyncPipelineStrategy(ParallelStrategy):
         module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
-    def _log_stats(self, stats: StepStats) -> None:
-        module = self.lightning_module
-        prefix = f"pipeline/stage{self.stage}"
-        values = {
-            "pipeline/bubble_fraction": stats.bubble_fraction,
+    def _record_stats(self, stage: int, stats: StepStats) -> None:
+        """Rank 0: keep and log one stage's record; once all stages reported a step, log the mean bubble."""
+        self.stage_stats.setdefault(stage, []).append(stats)
+        prefix = f"pipeline/stage{stage}"
+        metrics = {
             f"{prefix}/bubble_fraction": stats.bubble_fraction,
             f"{prefix}/forward_sec": stats.forward,
             f"{prefix}/backward_sec": stats.backward,
             f"{prefix}/wait_sec": stats.wait,
             f"{prefix}/update_sec": stats.update,
-            "pipeline/version_lag": float(stats.version_lag),
+            f"{prefix}/version_lag": float(stats.version_lag),
         }
-        for name, value in values.items():
-            module.log(name, value, on_step=True, on_epoch=False)
+        step_records = self._pending_stage_stats.setdefault(stats.step, {})
+        step_records[stage] = stats
+        if len(step_records) == self.num_stages:
+            del self._pending_stage_stats[stats.step]
+            metrics["pipeline/bubble_fraction"] = sum(r.bubble_fraction for r in step_records.values()) / self.num_stages
+        trainer = self.lightning_module.trainer
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=stats.step)
 
     def _microbatch_forward(self, module: LightningModule, batch: Any) -> list[Tensor]:
         layers = module.pipeline_layers()
@@ -445,6 +463,11 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self.flush()
+        if self._relay is not None:
+            if self.is_global_zero:
+                self._relay.poll(lambda rank, s: self._record_stats(self.num_stages - 1 - rank, s), self._steps_run, block=True)
+            else:
+                self._relay.close()
         self._write_trace()
         super().on_train_end()
 
@@ -482,19 +505,29 @@ class AsyncPipelineStrategy(ParallelStrategy):
         return self._runtime
 
     def _write_trace(self) -> None:
+        """Gather every stage's action timings on rank 0 into one Chrome trace (one row per stage)."""
         if self.trace_dir is None or self._runtime is None:
             return
+        gathered = [None] * self.num_stages if self.is_global_zero else None
+        dist.gather_object((self.stage, self._runtime.events), gathered, dst=0)
+        if not self.is_global_zero:
+            return
+        origin = min((events[0][1] for _, events in gathered if events), default=0.0)
+        trace = []
+        for stage, events in sorted(gathered):
+            trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}})
+            for name, start, end in events:
+                kind = name.lstrip("0123456789")
+                trace.append({
+                    "name": name, "cat": kind.rstrip("0123456789"), "ph": "X", "pid": 0, "tid": stage,
+                    "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6,
+                })
         os.makedirs(self.trace_dir, exist_ok=True)
-        events = [
-            {"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": 0, "tid": self.stage,
-             "cat": name.lstrip("0123456789")[:2]}
-            for name, start, end in self._runtime.events
-        ]
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": self.stage, "args": {"name": f"stage {self.stage}"}})
-        path = os.path.join(self.trace_dir, f"trace_stage{self.stage}.json")
+        path = os.path.join(self.trace_dir, "pipeline_trace.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
         os.replace(path + ".tmp", path)
+        log.info(f"Pipeline trace written to {path} (open it in chrome://tracing or ui.perfetto.dev)")
 
     # --- checkpoints ---------------------------------------------------------------------------------
 

@@ -17,9 +17,11 @@ def tiny_gpt(**kwargs) -> GPT:
     return GPT(**defaults)
 
 
-def random_batches(num_batches: int, batch_size: int = 8, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_batches(
+    num_batches: int, batch_size: int = 8, seed: int = 0, block: int = BLOCK
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, VOCAB, (num_batches, batch_size, BLOCK + 1), generator=generator)
+    data = torch.randint(0, VOCAB, (num_batches, batch_size, block + 1), generator=generator)
     return [(row[:, :-1].clone(), row[:, 1:].clone()) for row in data]
 
 

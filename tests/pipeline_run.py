@@ -42,14 +42,11 @@ def make_optimizer(name: str):
 class Recorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
-        self.bubbles: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
         if "train/loss" in metrics:
             self.losses.append(float(metrics["train/loss"]))
-        if "pipeline/bubble_fraction" in metrics:
-            self.bubbles.append(float(metrics["pipeline/bubble_fraction"]))
 
 
 def main(argv=None) -> None:
@@ -60,18 +57,22 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--split-points", type=str, default=None)
+    parser.add_argument("--trace", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    model = tiny_gpt(n_layer=args.layers, optimizer=make_optimizer(args.optimizer))
+    model = tiny_gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, optimizer=make_optimizer(args.optimizer))
     split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
     strategy = AsyncPipelineStrategy(
         schedule=args.schedule, num_microbatches=args.microbatches, split_points=split_points,
         timeout=__import__("datetime").timedelta(seconds=60),
+        trace_dir=str(Path(args.out) / "trace") if args.trace else None,
     )
     recorder = Recorder()
     trainer = Trainer(
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder], gradient_clip_val=args.clip,
     )
-    batches = random_batches(args.steps, batch_size=args.batch_size)
+    batches = random_batches(args.steps, batch_size=args.batch_size, block=args.seq)
     trainer.fit(model, train_dataloaders=loader(batches))
 
     out = Path(args.out)
@@ -87,7 +88,12 @@ def main(argv=None) -> None:
     rank = trainer.global_rank
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"weights_rank{rank}.pt")
     if rank == 0:
-        (out / "losses.json").write_text(json.dumps({"losses": recorder.losses, "bubbles": recorder.bubbles}))
+        stage_bubbles = {
+            str(stage): [r.bubble_fraction for r in records] for stage, records in strategy.stage_stats.items()
+        }
+        stage_lags = {str(stage): [r.version_lag for r in records] for stage, records in strategy.stage_stats.items()}
+        result = {"losses": recorder.losses, "stage_bubbles": stage_bubbles, "version_lag": stage_lags}
+        (out / "losses.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

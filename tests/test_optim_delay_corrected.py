@@ -15,6 +15,16 @@ from lightning.pytorch.cli import LightningCLI, OptimizerCallable
 
 from lightning_async_pp.optim import DelayCorrected, Muon
 
+@pytest.fixture(autouse=True)
+def single_thread():
+    # The tensors are tiny: a second intra-op thread only adds synchronization, which stalls when the
+    # machine is busy.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 LR = 0.1
 
 

@@ -97,3 +97,26 @@ def test_pipeline_2bw_is_not_synchronous(tmp_path):
     sync_losses, sync_weights = reference("1f1b", 2, 6, "sgd")
     difference = max((weights[k] - v).abs().max().item() for k, v in sync_weights.items())
     assert difference > 1e-4
+
+
+def _steady_bubbles(result) -> dict[str, float]:
+    """Per stage, the median bubble fraction over the steps after warm-up."""
+    medians = {}
+    for stage, bubbles in result["stage_bubbles"].items():
+        steady = sorted(bubbles[len(bubbles) // 4 :])
+        medians[stage] = steady[len(steady) // 2]
+    return medians
+
+
+def test_2bw_has_no_flush_bubble(tmp_path):
+    """P=2, M=4: the ideal 1F1B bubble is (P-1)/(M+P-1) = 20%; 2BW's steady state has none."""
+    size = ("--width", "128", "--seq", "64", "--batch-size", "32")
+    async_run, _ = run_pipeline(tmp_path / "2bw", 2, "2bw", 4, 24, "adamw", *size)
+    sync_run, _ = run_pipeline(tmp_path / "1f1b", 2, "1f1b", 4, 24, "adamw", *size)
+    async_bubble, sync_bubble = _steady_bubbles(async_run), _steady_bubbles(sync_run)
+    print(f"steady-state bubble per stage: 2bw {async_bubble}, 1f1b {sync_bubble}")
+    # The first stage idles through every 1F1B warm-up and cool-down; under 2BW it never waits for a flush.
+    assert async_bubble["0"] < 0.5 * sync_bubble["0"]
+    assert sum(async_bubble.values()) < sum(sync_bubble.values())
+    assert set(async_run["version_lag"]["0"][2:]) == {1}  # step 0 has w[-1] = w[0]
+    assert set(sync_run["version_lag"]["0"]) == {0}

@@ -158,9 +158,17 @@ class DelayCorrected(Optimizer):
             self.base_optimizer.step()
             return loss
 
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        continuing = [p for p in params if STATE_KEY in self.state[p]]
-        first = [p for p in params if STATE_KEY not in self.state[p]]
+        continuing, previous, first = [], [], []
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                buffer = self.state[param].get(STATE_KEY)
+                if buffer is None:
+                    first.append(param)
+                else:
+                    continuing.append(param)
+                    previous.append(buffer)
         # On a parameter's first step its snapshot becomes its buffer; afterwards snapshots are temporary.
         first_updates = [p.clone() for p in first]
         updates = _empty_like_in_one_block(continuing)
@@ -173,7 +181,6 @@ class DelayCorrected(Optimizer):
         if continuing:
             # u_t = w_before - w_after; then w_after + c * (u_{t-1} - u_t), and u_t is copied into the old
             # buffer rather than replacing it, so that the persistent state is never reallocated.
-            previous = [self.state[p][STATE_KEY] for p in continuing]
             torch._foreach_sub_(updates, continuing)
             torch._foreach_sub_(previous, updates)
             torch._foreach_add_(continuing, previous, alpha=self.coefficient)

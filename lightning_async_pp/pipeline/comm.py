@@ -1,8 +1,10 @@
 """Point-to-point tensor transfer between neighbouring stages over ``torch.distributed``.
 
-Every transfer is two messages: a small header (dtype and shape) and the payload, so the receiver can
-allocate the right buffer even when shapes change between micro-batches. Receives are posted ahead of
-time (:meth:`Channel.prefetch`), sends never block the sender.
+Every transfer is two messages: a small header (dtype and shape) and the payload. The first header of a
+channel tells the receiver what to allocate; from then on it posts the next payload's receive ahead of
+time (:meth:`Channel.prefetch`) with the same shape, so the transfer overlaps the receiver's compute, and
+the header only confirms the shape. Pipelines therefore need a fixed micro-batch shape. Sends never
+block the sender.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class Channel:
         self.peer = peer
         self.device = device
         self.group = group
-        self._pending_header: tuple[Tensor, dist.Work] | None = None
+        self._pending: tuple[Tensor, dist.Work, Tensor | None, dist.Work | None] | None = None
+        self._layout: tuple[torch.dtype, list[int]] | None = None
         self._sends: list[tuple[list[dist.Work], tuple[Tensor, Tensor]]] = []
 
     def send(self, tensor: Tensor) -> None:
@@ -60,21 +63,37 @@ class Channel:
         self._sends.append((works, (header, tensor)))
 
     def prefetch(self) -> None:
-        """Post the receive of the next header, so the peer's send completes without waiting for us."""
-        if self._pending_header is None:
-            header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-            self._pending_header = (header, dist.irecv(header, self.peer, group=self.group, tag=HEADER_TAG))
+        """Post the receives of the next tensor, so the peer's send completes while we compute."""
+        if self._pending is not None:
+            return
+        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
+        header_work = dist.irecv(header, self.peer, group=self.group, tag=HEADER_TAG)
+        payload, payload_work = None, None
+        if self._layout is not None:
+            dtype, shape = self._layout
+            payload = torch.empty(shape, dtype=dtype, device=self.device)
+            payload_work = dist.irecv(payload, self.peer, group=self.group, tag=PAYLOAD_TAG)
+        self._pending = (header, header_work, payload, payload_work)
 
     def recv(self) -> Tensor:
         """Wait for the next tensor from the peer."""
         self.prefetch()
-        assert self._pending_header is not None
-        header, work = self._pending_header
-        self._pending_header = None
-        work.wait()
-        dtype, shape = decode_header(header.cpu())
-        payload = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.irecv(payload, self.peer, group=self.group, tag=PAYLOAD_TAG).wait()
+        assert self._pending is not None
+        header, header_work, payload, payload_work = self._pending
+        self._pending = None
+        header_work.wait()
+        layout = decode_header(header.cpu())
+        if payload is None:
+            self._layout = layout
+            payload = torch.empty(layout[1], dtype=layout[0], device=self.device)
+            payload_work = dist.irecv(payload, self.peer, group=self.group, tag=PAYLOAD_TAG)
+        elif layout != self._layout:
+            raise RuntimeError(
+                f"The tensor from rank {self.peer} changed from {self._layout} to {layout} (dtype, shape). "
+                "Pipeline stages exchange fixed-shape activations: keep every micro-batch the same shape "
+                "(batch size a multiple of num_microbatches, DataLoader(drop_last=True), fixed sequence length)."
+            )
+        payload_work.wait()
         return payload
 
     def wait_sends(self) -> None:
