@@ -346,15 +346,24 @@ class AsyncPipelineStrategy(ParallelStrategy):
             prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
             next_rank=self.rank_of_stage(stage + 1) if stage < last else None,
             clip_grad_norm=trainer.gradient_clip_val or None,
-            norm_group=dist.group.WORLD,
+            norm_group=dist.new_group(),
+            p2p_group=dist.new_group(),
             forward_context=self.precision_plugin.forward_context,
             trace=self.trace_dir is not None,
             start_version=trainer.global_step if restored else 0,
         )
+        self._runtime = runtime
         previous = restored.get("previous")
         if previous is not None:
-            runtime.load_previous_weights(previous)
+            names = self._runtime_to_module_names()
+            runtime.load_previous_weights({n: previous[names[n]] for n in runtime.params})
         return runtime
+
+    def _runtime_to_module_names(self) -> dict[str, str]:
+        """Runtime parameter names (``"0.attn.qkv.weight"``) to the LightningModule's (``"layers.1.attn..."``)."""
+        assert self._runtime is not None
+        module_names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        return {n: module_names[id(p)] for n, p in self._runtime.params.items()}
 
     # --- the training step ---------------------------------------------------------------------------
 
@@ -540,7 +549,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def _stage_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"stage": self.stage}
         if self._runtime is not None:
-            state["previous"] = {n: t.clone() for n, t in self._runtime.previous_weights().items()}
+            names = self._runtime_to_module_names()
+            state["previous"] = {names[n]: t.clone() for n, t in self._runtime.previous_weights().items()}
             state["optimizer"] = self.optimizers[0].state_dict()
         elif self.schedule == "2bw":
             # Before the first step the previous weights are the current ones (w[-1] = w[0]).
@@ -626,6 +636,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._delayed = None
-        self._runtime = None
+        # The (drained) runtime and the delayed weights stay, so that `trainer.save_checkpoint` after `fit`
+        # still records both weight versions.
+        self.flush()
         super().teardown()

@@ -63,6 +63,8 @@ def main(argv=None) -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--split-points", type=str, default=None)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -79,12 +81,15 @@ def main(argv=None) -> None:
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder], gradient_clip_val=args.clip,
+        precision=args.precision,
     )
     batches = random_batches(args.steps, batch_size=args.batch_size, block=args.seq)
     trainer.fit(model, train_dataloaders=loader(batches))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.save_checkpoint:
+        trainer.save_checkpoint(out / "final.ckpt")
     rank = trainer.global_rank
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"weights_rank{rank}.pt")
     if rank == 0:

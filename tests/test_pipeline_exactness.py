@@ -44,10 +44,11 @@ def run_pipeline(out: Path, devices: int, schedule: str, microbatches: int, step
     return result, weights
 
 
-def reference(schedule: str, microbatches: int, steps: int, optimizer: str):
+def reference(schedule: str, microbatches: int, steps: int, optimizer: str, **trainer_kwargs):
     torch.set_num_threads(1)
     model = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer))
-    losses = fit(model, random_batches(steps), strategy=AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches))
+    strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches)
+    losses = fit(model, random_batches(steps), strategy=strategy, **trainer_kwargs)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -120,3 +121,36 @@ def test_2bw_has_no_flush_bubble(tmp_path):
     assert sum(async_bubble.values()) < sum(sync_bubble.values())
     assert set(async_run["version_lag"]["0"][2:]) == {1}  # step 0 has w[-1] = w[0]
     assert set(sync_run["version_lag"]["0"]) == {0}
+
+
+def test_gradient_clipping_uses_the_global_norm_across_stages(tmp_path):
+    """Each stage holds part of the gradient; clipping must use the norm over all of them."""
+    result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 10, "sgd", "--clip", "0.05")
+    ref_losses, ref_weights = reference("2bw", 2, 10, "sgd", gradient_clip_val=0.05)
+    assert_same_run(result, weights, ref_losses, ref_weights)
+    unclipped_losses, _ = reference("2bw", 2, 10, "sgd")
+    assert abs(unclipped_losses[-1] - ref_losses[-1]) > 1e-4  # the clip is active
+
+
+def test_bf16_mixed_pipeline_tracks_single_device(tmp_path):
+    result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 8, "adamw", "--precision", "bf16-mixed")
+    ref_losses, ref_weights = reference("2bw", 2, 8, "adamw", precision="bf16-mixed")
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-2, atol=1e-2)
+
+
+def test_checkpoint_holds_every_stage_and_both_versions(tmp_path):
+    result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 6, "corrected_muon", "--save-checkpoint")
+    checkpoint = torch.load(tmp_path / "final.ckpt", weights_only=False)
+    assert sorted(checkpoint["state_dict"]) == sorted(weights)
+    for name, value in weights.items():
+        assert torch.equal(checkpoint["state_dict"][name], value)
+    state = checkpoint["async_pp"]
+    assert state["num_stages"] == 2 and [s["stage"] for s in state["stages"]] == [0, 1]
+    saved = set()
+    for stage in state["stages"]:
+        previous = stage["previous"]  # w[t-1], keyed like the model's parameters
+        saved |= set(previous)
+        assert any(not torch.equal(previous[k], checkpoint["state_dict"][k]) for k in previous)
+        # DelayCorrected keeps one previous-update buffer per parameter, next to the base optimizer state.
+        assert "optimizer" in stage and stage["optimizer"]["state"]
+    assert saved == set(weights)

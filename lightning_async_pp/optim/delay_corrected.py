@@ -35,8 +35,8 @@ class DelayCorrected(Optimizer):
     per-parameter state under ``"previous_update"`` and is part of :meth:`state_dict`.
 
     Memory: one parameter-sized buffer per parameter (:math:`u_{t-1}`) between steps. During a step, a copy of
-    the weights taken before the base optimizer's step, freed when the step ends; it becomes the buffer on a
-    parameter's first step.
+    the weights taken before the base optimizer's step (one block per device and dtype), freed when the step
+    ends; on a parameter's first step its copy becomes its buffer.
 
     Two forms:
 
@@ -50,10 +50,11 @@ class DelayCorrected(Optimizer):
         base: Callable that builds the base optimizer from ``params``; in YAML, a ``class_path`` with
             ``init_args``. ``None`` means :class:`torch.optim.AdamW` with its defaults. Only with parameters,
             not with an optimizer instance.
-        coefficient: :math:`c`. ``0`` is exactly the base optimizer; ``1`` is the setting of the method notes.
+        coefficient: :math:`c`. ``0`` is exactly the base optimizer; ``1`` is the paper's setting.
 
     Raises:
-        ValueError: If ``coefficient`` is negative, or if both an optimizer instance and ``base`` are given.
+        ValueError: If ``coefficient`` is negative, if both an optimizer instance and ``base`` are given, or if
+            the optimizer is already a ``DelayCorrected``.
         TypeError: If ``base`` does not return a :class:`~torch.optim.Optimizer`.
 
     .. note::

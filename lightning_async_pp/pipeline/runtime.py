@@ -81,6 +81,8 @@ class StageRuntime:
         next_rank: Global rank of the next stage (``None`` on the last stage).
         clip_grad_norm: Clip the gradient of each step to this global norm (across all stages).
         norm_group: Process group of all stages of this pipeline, for the clipping norm.
+        p2p_group: Process group of the activation and gradient transfers. Give each its own group: gloo
+            numbers a group's collectives with the same tags that point-to-point messages use.
         forward_context: Context manager factory around forwards (e.g. autocast).
         trace: Record the start and end time of every action.
     """
@@ -98,6 +100,7 @@ class StageRuntime:
     next_rank: int | None = None
     clip_grad_norm: float | None = None
     norm_group: Any = None
+    p2p_group: Any = None
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     trace: bool = False
     start_version: int = 0
@@ -122,8 +125,8 @@ class StageRuntime:
         self.last_step: int | None = None
         self.is_first = self.stage == 0
         self.is_last = self.stage == self.num_stages - 1
-        self.prev = Channel(self.prev_rank, self.device) if self.prev_rank is not None else None
-        self.next = Channel(self.next_rank, self.device) if self.next_rank is not None else None
+        self.prev = Channel(self.prev_rank, self.device, self.p2p_group) if self.prev_rank is not None else None
+        self.next = Channel(self.next_rank, self.device, self.p2p_group) if self.next_rank is not None else None
         self._microbatches: dict[int, list[Any]] = {}
         self._inflight: dict[Key, tuple[Tensor, Tensor]] = {}
         self._received: dict[Key, Tensor] = {}
