@@ -52,6 +52,7 @@ class Recorder(Callback):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--schedule", default="2bw")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
@@ -67,7 +68,8 @@ def main(argv=None) -> None:
     parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.accelerator == "cpu":
+        torch.set_num_threads(1)
 
     model = tiny_gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, optimizer=make_optimizer(args.optimizer))
     split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
@@ -78,7 +80,7 @@ def main(argv=None) -> None:
     )
     recorder = Recorder()
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder], gradient_clip_val=args.clip,
         precision=args.precision,
@@ -97,7 +99,10 @@ def main(argv=None) -> None:
             str(stage): [r.bubble_fraction for r in records] for stage, records in strategy.stage_stats.items()
         }
         stage_lags = {str(stage): [r.version_lag for r in records] for stage, records in strategy.stage_stats.items()}
-        result = {"losses": recorder.losses, "stage_bubbles": stage_bubbles, "version_lag": stage_lags}
+        result = {
+            "losses": recorder.losses, "stage_bubbles": stage_bubbles, "version_lag": stage_lags,
+            "step_seconds": [r.wall for r in strategy.stage_stats.get(0, [])],
+        }
         (out / "losses.json").write_text(json.dumps(result))
 
 

@@ -75,6 +75,11 @@ class Channel:
             payload_work = dist.irecv(payload, self.peer, group=self.group, tag=PAYLOAD_TAG)
         self._pending = (header, header_work, payload, payload_work)
 
+    def forget_layout(self) -> None:
+        """Read the next tensor's shape from its header (after a flush, or for evaluation batches)."""
+        assert self._pending is None, "forget_layout() while a receive is posted"
+        self._layout = None
+
     def recv(self) -> Tensor:
         """Wait for the next tensor from the peer."""
         self.prefetch()

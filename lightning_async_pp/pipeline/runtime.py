@@ -144,6 +144,9 @@ class StageRuntime:
         """Execute this stage's share of ``step``. Returns the step's mean loss (last stage) and timings."""
         if self.run_start is None:
             self.run_start = step
+            for channel in (self.prev, self.next):
+                if channel is not None:
+                    channel.forget_layout()  # evaluation may have sent other shapes since the last run
         start = time.perf_counter()
         self._stats = StepStats(step)
         self._hyperparameters[step] = [
@@ -177,6 +180,8 @@ class StageRuntime:
     @torch.no_grad()
     def evaluate(self, batch: Any) -> Tensor | None:
         """Forward one batch through the stage on the newest weights; returns the output on the last stage."""
+        if not self.is_first:
+            self.prev.forget_layout()  # evaluation batches may differ in size (the last one often does)
         x = self.inputs_fn(batch) if self.is_first else self.prev.recv()
         with self.forward_context():
             y = self.module(x)
