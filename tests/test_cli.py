@@ -63,3 +63,34 @@ def test_two_stages_log_the_same_loss_curve_as_one_device(tmp_path):
     assert "pipeline/bubble_fraction" in logged_two
     # Validation ran through both stages and logged on rank 0.
     assert len(logged_two["val/loss"]) == 2
+
+
+def test_optimizer_overlays_build_the_named_optimizers():
+    import pytest  # noqa: F401
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from lightning_async_pp.cli import AsyncPipelineCLI
+    from lightning_async_pp.optim import DelayCorrected, Muon
+
+    expected = {"adamw.yaml": ("AdamW", None), "muon.yaml": ("Muon", None),
+                "adamw_corrected.yaml": ("DelayCorrected", "AdamW"), "muon_corrected.yaml": ("DelayCorrected", "Muon")}
+    for overlay, (outer, inner) in expected.items():
+        cli = AsyncPipelineCLI(
+            LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+            args=["--config", str(QUICKSTART), "--config", str(QUICKSTART.parent / overlay),
+                  "--trainer.devices", "1", "--trainer.logger", "false"],
+        )
+        optimizer = cli.model.optimizer_factory(cli.model.named_parameters())
+        assert type(optimizer).__name__ == outer, overlay
+        if inner is not None:
+            assert isinstance(optimizer, DelayCorrected) and type(optimizer.base_optimizer).__name__ == inner
+        if "muon" in overlay:
+            muon = optimizer.base_optimizer if isinstance(optimizer, DelayCorrected) else optimizer
+            assert isinstance(muon, Muon)
+
+
+def test_corrected_muon_config_trains(tmp_path):
+    overlay = QUICKSTART.parent / "muon_corrected.yaml"
+    run_cli(tmp_path, "--config", str(overlay), "--trainer.devices", "1")
+    losses = [e.value for e in scalars(tmp_path / "quickstart" / "version_0")["train/loss"]]
+    assert len(losses) == 6 and losses[-1] < losses[0]
