@@ -85,7 +85,7 @@ def main() -> None:
     )
     trainer.fit(ResidualMLP(), synthetic_data())
     if trainer.is_global_zero:
-        print(f"final train/loss: {float(trainer.callback_metrics['train/loss']):.4f}")
+        print(f"final train/loss: {float(trainer.callback_metrics['train/loss']):.6f}")
 
 
 if __name__ == "__main__":
