@@ -41,6 +41,7 @@ from lightning_async_pp.pipeline.partition import count_parameters
 from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats
 from lightning_async_pp.pipeline.stats import StatsRelay
+from lightning_async_pp.resume import ResumableLoader
 
 # A child of Lightning's logger, so each rank's placement line is shown with Lightning's own messages.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
@@ -350,7 +351,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             p2p_group=dist.new_group(),
             forward_context=self.precision_plugin.forward_context,
             trace=self.trace_dir is not None,
-            start_version=trainer.global_step if restored else 0,
+            start_version=restored.get("version", 0),
         )
         self._runtime = runtime
         previous = restored.get("previous")
@@ -457,6 +458,15 @@ class AsyncPipelineStrategy(ParallelStrategy):
             self._delayed = DelayedWeights(self.lightning_module, previous=previous)
         return self._delayed
 
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or isinstance(dataloader, ResumableLoader):
+            return dataloader
+        # A resumed run continues mid-epoch exactly where the checkpoint was taken.
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        return ResumableLoader(dataloader, lambda: progress.current.completed)
+
     # --- flushes: validation, checkpoints, the end of training ---------------------------------------
 
     def flush(self) -> None:
@@ -547,10 +557,11 @@ class AsyncPipelineStrategy(ParallelStrategy):
         return super().lightning_module_state_dict()
 
     def _stage_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"stage": self.stage}
+        state: dict[str, Any] = {"stage": self.stage, "rng": _rng_state()}
         if self._runtime is not None:
             names = self._runtime_to_module_names()
             state["previous"] = {names[n]: t.clone() for n, t in self._runtime.previous_weights().items()}
+            state["version"] = self._runtime.newest_version
             state["optimizer"] = self.optimizers[0].state_dict()
         elif self.schedule == "2bw":
             # Before the first step the previous weights are the current ones (w[-1] = w[0]).
@@ -577,7 +588,33 @@ class AsyncPipelineStrategy(ParallelStrategy):
             "num_microbatches": self.num_microbatches,
             "stages": stage_states,
         }
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        path = str(filepath)
+        if "://" in path:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Write under a temporary name and rename: a crash while saving leaves the previous file intact.
+        temporary = f"{path}.tmp-{os.getpid()}"
+        try:
+            super().save_checkpoint(checkpoint, temporary, storage_options=storage_options)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as error:  # torch.load raises many types for damaged files
+            if "Weights only load failed" in str(error):
+                raise
+            raise RuntimeError(
+                f"Could not read the checkpoint {checkpoint_path}: it is truncated or corrupt ({type(error).__name__}: "
+                f"{error}). Resume from another checkpoint; AsyncPipelineStrategy writes checkpoints atomically, so "
+                "the one saved before it is intact."
+            ) from error
 
     def _stage_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         state = checkpoint.get(CHECKPOINT_KEY)
@@ -594,6 +631,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         self._restored = self._stage_checkpoint(checkpoint)
+        if self._restored is not None and "rng" in self._restored:
+            _set_rng_state(self._restored["rng"])
         if self._restored is not None and self._delayed is not None and "previous" in self._restored:
             self._delayed.load_state_dict(self._restored["previous"])
 
@@ -640,3 +679,30 @@ class AsyncPipelineStrategy(ParallelStrategy):
         # still records both weight versions.
         self.flush()
         super().teardown()
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    # Only tensors and plain Python values, so that `torch.load(weights_only=True)` can read it.
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(gauss))
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

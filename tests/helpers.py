@@ -40,7 +40,7 @@ class LossRecorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(model, batches, strategy="auto", **trainer_kwargs) -> list[float]:
+def fit(model, batches, strategy="auto", ckpt_path=None, **trainer_kwargs) -> list[float]:
     recorder = LossRecorder()
     kwargs = dict(
         accelerator="cpu",
@@ -56,7 +56,7 @@ def fit(model, batches, strategy="auto", **trainer_kwargs) -> list[float]:
         callbacks=[recorder],
     )
     kwargs.update(trainer_kwargs)
-    Trainer(**kwargs).fit(model, train_dataloaders=loader(batches))
+    Trainer(**kwargs).fit(model, train_dataloaders=loader(batches), ckpt_path=ckpt_path)
     return recorder.losses
 
 

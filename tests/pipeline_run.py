@@ -42,11 +42,15 @@ def make_optimizer(name: str):
 class Recorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.batch_sums: list[int] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
         if "train/loss" in metrics:
             self.losses.append(float(metrics["train/loss"]))
+            self.steps.append(trainer.global_step - 1)
+            self.batch_sums.append(int(batch[0].sum()))
 
 
 def main(argv=None) -> None:
@@ -66,6 +70,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--save-checkpoint", action="store_true")
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--total-steps", type=int, default=None, help="batches in the data (default: --steps)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.accelerator == "cpu":
@@ -85,8 +91,8 @@ def main(argv=None) -> None:
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder], gradient_clip_val=args.clip,
         precision=args.precision,
     )
-    batches = random_batches(args.steps, batch_size=args.batch_size, block=args.seq)
-    trainer.fit(model, train_dataloaders=loader(batches))
+    batches = random_batches(args.total_steps or args.steps, batch_size=args.batch_size, block=args.seq)
+    trainer.fit(model, train_dataloaders=loader(batches), ckpt_path=args.ckpt_path)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +106,7 @@ def main(argv=None) -> None:
         }
         stage_lags = {str(stage): [r.version_lag for r in records] for stage, records in strategy.stage_stats.items()}
         result = {
-            "losses": recorder.losses, "stage_bubbles": stage_bubbles, "version_lag": stage_lags,
+            "losses": recorder.losses, "steps": recorder.steps, "batch_sums": recorder.batch_sums, "stage_bubbles": stage_bubbles, "version_lag": stage_lags,
             "step_seconds": [r.wall for r in strategy.stage_stats.get(0, [])],
         }
         (out / "losses.json").write_text(json.dumps(result))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 
@@ -51,6 +51,26 @@ class ByteWindows(Dataset):
         start = index * self.block_size
         chunk = self.data[start : start + self.block_size + 1].long()
         return chunk[:-1], chunk[1:]
+
+
+class EpochShuffle(Sampler[int]):
+    """A permutation drawn from ``seed + epoch``: every epoch reproducible on its own, also after a resume."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        # Drawn lazily, at the first index, after the trainer has set the epoch.
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(self.size, generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class TextDataModule(LightningDataModule):
@@ -97,13 +117,11 @@ class TextDataModule(LightningDataModule):
         self.val_set = ByteWindows(data[split:], self.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(
             self.train_set,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=EpochShuffle(len(self.train_set), self.seed),
             drop_last=True,
-            generator=generator,
             num_workers=self.num_workers,
         )
 
