@@ -39,7 +39,7 @@ from lightning_async_pp.pipeline.delayed import DelayedWeights
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 from lightning_async_pp.pipeline.partition import count_parameters
 from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
-from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats
+from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats, check_finite_losses
 from lightning_async_pp.pipeline.stats import StatsRelay
 from lightning_async_pp.resume import ResumableLoader
 
@@ -92,7 +92,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         checkpoint_io: Checkpoint plugin.
         precision_plugin: Set by the ``Trainer``.
         process_group_backend: ``torch.distributed`` backend (default: NCCL on GPUs, gloo on CPUs).
-        timeout: Timeout of collective and point-to-point operations between processes.
+        timeout: How long a process waits for a transfer or collective before it gives up and brings the job
+            down. A stage that dies is noticed at once (its connections close); the timeout catches a hung one.
     """
 
     strategy_name = "async_pp"
@@ -111,7 +112,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(seconds=60),
+        timeout: timedelta = timedelta(minutes=5),
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -198,11 +199,37 @@ class AsyncPipelineStrategy(ParallelStrategy):
         schedules.validate(self.schedule, self.num_stages, self.num_microbatches)
         if self.num_stages == 1:
             self._launcher = None
-        elif self.start_method == "popen":
+            return
+        if self.start_method == "popen":
             assert self.cluster_environment is not None
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
+            launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
+        launch = launcher.launch
+
+        def checked_launch(function: Callable, *args: Any, **kwargs: Any) -> Any:
+            # `fit(model, ...)`: find configuration errors here, before any other process starts.
+            if args and isinstance(args[0], LightningModule):
+                self.check_model(args[0])
+            return launch(function, *args, **kwargs)
+
+        launcher.launch = checked_launch
+        self._launcher = launcher
+
+    def check_model(self, module: LightningModule) -> None:
+        """Raise a clear error if ``module`` cannot be trained as this pipeline (called before launching)."""
+        precision = self.precision_plugin.precision if self.precision_plugin is not None else "32-true"
+        if str(precision) in ("16-mixed", "16-true", "16"):
+            raise MisconfigurationException(
+                f"AsyncPipelineStrategy does not support precision={precision!r}: fp16 needs a loss scale shared by "
+                "all stages. Use precision='bf16-mixed' or '32-true'."
+            )
+        if self.num_stages > 1:
+            require_pipeline_module(module, f"needed to cut it into {self.num_stages} stages")
+            if self.balance == "time":  # measured in `setup`; here only the layer count
+                partition_layers(list(module.pipeline_layers()), self.num_stages, costs=None)
+            else:
+                self.layer_partition(module)
 
     @override
     def setup_environment(self) -> None:
@@ -253,8 +280,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 "batch size) instead; micro-batches already accumulate gradients within a step."
             )
         module = self.lightning_module
+        self.check_model(module)
         if self.num_stages > 1:
-            require_pipeline_module(module, f"needed to cut it into {self.num_stages} stages")
             self._place_stage(module)
         elif self.num_microbatches > 1 and not is_pipeline_module(module):
             require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
@@ -346,6 +373,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             device=self.root_device,
             prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
             next_rank=self.rank_of_stage(stage + 1) if stage < last else None,
+            check_finite=True,
             clip_grad_norm=trainer.gradient_clip_val or None,
             norm_group=dist.new_group(),
             p2p_group=dist.new_group(),
@@ -388,6 +416,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
             self._microbatch_losses = self._microbatch_forward(module, batch)
+        losses = torch.stack([loss.detach() for loss in self._microbatch_losses])
+        check_finite_losses(losses, module.trainer.global_step, stage=0)
         loss = torch.stack(self._microbatch_losses).mean()
         module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         return loss

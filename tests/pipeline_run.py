@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def make_optimizer(name: str):
     if name == "corrected_muon":
         return lambda params: DelayCorrected(Muon(params, lr=0.02, adamw_lr=1e-2))
     raise ValueError(name)
+
+
+class FaultInjector(Callback):
+    def __init__(self, kill_rank, nan_step, fail_step) -> None:
+        self.kill_rank, self.nan_step, self.fail_step = kill_rank, nan_step, fail_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.kill_rank == trainer.global_rank and trainer.global_step == self.fail_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.nan_step is not None and trainer.global_step == self.nan_step:
+            loss = pl_module.pipeline_loss
+            pl_module.pipeline_loss = lambda output, batch: loss(output, batch) * float("nan")
 
 
 class Recorder(Callback):
@@ -71,6 +84,9 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank at --fail-step")
+    parser.add_argument("--nan-step", type=int, default=None, help="make the loss NaN from this step on")
+    parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--total-steps", type=int, default=None, help="batches in the data (default: --steps)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -88,7 +104,7 @@ def main(argv=None) -> None:
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder], gradient_clip_val=args.clip,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step)], gradient_clip_val=args.clip,
         precision=args.precision,
     )
     batches = random_batches(args.total_steps or args.steps, batch_size=args.batch_size, block=args.seq)

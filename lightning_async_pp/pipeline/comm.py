@@ -41,10 +41,14 @@ class Channel:
         peer: Global rank of the neighbouring stage.
         device: Device the tensors live on (headers travel on it too, as NCCL requires).
         group: Process group of the transfer, ``None`` for the default group.
+        name: Names the link in error messages, e.g. ``"stage 1 <- stage 0"``.
     """
 
-    def __init__(self, peer: int, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, peer: int, device: torch.device, group: dist.ProcessGroup | None = None, name: str = ""
+    ) -> None:
         self.peer = peer
+        self.name = name or f"rank {peer}"
         self.device = device
         self.group = group
         self._pending: tuple[Tensor, dist.Work, Tensor | None, dist.Work | None] | None = None
@@ -86,7 +90,7 @@ class Channel:
         assert self._pending is not None
         header, header_work, payload, payload_work = self._pending
         self._pending = None
-        header_work.wait()
+        self._wait(header_work)
         layout = decode_header(header.cpu())
         if payload is None:
             self._layout = layout
@@ -98,8 +102,18 @@ class Channel:
                 "Pipeline stages exchange fixed-shape activations: keep every micro-batch the same shape "
                 "(batch size a multiple of num_microbatches, DataLoader(drop_last=True), fixed sequence length)."
             )
-        payload_work.wait()
+        self._wait(payload_work)
         return payload
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"Pipeline link {self.name} (rank {self.peer}) broke while waiting for data: {error}. The other "
+                "stage has most likely failed (see its error above) or hung past the strategy's `timeout`; "
+                "this process stops too."
+            ) from error
 
     def wait_sends(self) -> None:
         for works, _ in self._sends:

@@ -85,6 +85,8 @@ class StageRuntime:
             numbers a group's collectives with the same tags that point-to-point messages use.
         forward_context: Context manager factory around forwards (e.g. autocast).
         trace: Record the start and end time of every action.
+        start_version: Weight version the parameters hold (non-zero when resuming).
+        check_finite: Stop with an error naming the step and micro-batch when a loss is NaN or infinite.
     """
 
     kind: str
@@ -104,6 +106,7 @@ class StageRuntime:
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     trace: bool = False
     start_version: int = 0
+    check_finite: bool = True
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -125,8 +128,11 @@ class StageRuntime:
         self.last_step: int | None = None
         self.is_first = self.stage == 0
         self.is_last = self.stage == self.num_stages - 1
-        self.prev = Channel(self.prev_rank, self.device, self.p2p_group) if self.prev_rank is not None else None
-        self.next = Channel(self.next_rank, self.device, self.p2p_group) if self.next_rank is not None else None
+        self.prev = self.next = None
+        if self.prev_rank is not None:
+            self.prev = Channel(self.prev_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage - 1}")
+        if self.next_rank is not None:
+            self.next = Channel(self.next_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage + 1}")
         self._microbatches: dict[int, list[Any]] = {}
         self._inflight: dict[Key, tuple[Tensor, Tensor]] = {}
         self._received: dict[Key, Tensor] = {}
@@ -156,7 +162,12 @@ class StageRuntime:
         self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
         self.last_step = step
         del self._microbatches[step]
-        loss = torch.stack(self._losses.pop(step)).mean() if self.is_last else None
+        loss = None
+        if self.is_last:
+            losses = torch.stack(self._losses.pop(step))
+            if self.check_finite:
+                check_finite_losses(losses, step, self.stage)
+            loss = losses.mean()
         stats, self._stats = self._stats, None
         stats.wall = time.perf_counter() - start
         if self.update_log:
@@ -342,3 +353,16 @@ class StageRuntime:
         finally:
             for group, values in zip(groups, now):
                 group.update(values)
+
+
+def check_finite_losses(losses: Tensor, step: int, stage: int) -> None:
+    """Raise ``FloatingPointError`` naming the step, stage and first micro-batch whose loss is NaN or infinite."""
+    finite = torch.isfinite(losses)
+    if bool(finite.all()):
+        return
+    microbatch = int((~finite).nonzero()[0])
+    raise FloatingPointError(
+        f"The loss of step {step}, micro-batch {microbatch} is {float(losses[microbatch])} (computed on pipeline "
+        f"stage {stage}). Training stops here so that no stage applies a broken update. Lower the learning rate, "
+        "set `gradient_clip_val`, or check the data of that step."
+    )
