@@ -77,6 +77,10 @@ class AsyncPipelineStrategy(ParallelStrategy):
         num_microbatches: Micro-batches each batch is split into (along its first dimension). Their
             gradients are averaged, so the update equals the full-batch one. The batch size must be a
             multiple of it; ``"2bw"`` needs at least as many micro-batches as stages.
+        pipeline_parallel_size: Stages per pipeline ``P``. ``None`` makes every process a stage of one pipeline;
+            otherwise the ``devices * num_nodes`` processes form ``D = processes / P`` replicas of the pipeline
+            (data parallelism), each reading its own shard of the data, whose stages average their gradients
+            over the replicas before each (delayed) update.
         split_points: Explicit stage boundaries as layer indices: stage ``k`` starts at layer
             ``split_points[k-1]`` (``P-1`` increasing values). ``None`` balances the stages by ``balance``.
         balance: What to balance when ``split_points`` is not given: ``"parameters"`` (parameter count per
@@ -102,6 +106,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self,
         schedule: str = "2bw",
         num_microbatches: int = 1,
+        pipeline_parallel_size: int | None = None,
         split_points: Sequence[int] | None = None,
         balance: Literal["parameters", "time"] | Sequence[float] = "parameters",
         trace_dir: str | None = None,
@@ -133,6 +138,11 @@ class AsyncPipelineStrategy(ParallelStrategy):
             raise ValueError(f"`start_method` must be 'popen' or 'spawn', got {start_method!r}.")
         self.schedule = schedule
         self.num_microbatches = num_microbatches
+        if pipeline_parallel_size is not None and (
+            isinstance(pipeline_parallel_size, bool) or not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1
+        ):
+            raise ValueError(f"`pipeline_parallel_size` must be a positive integer, got {pipeline_parallel_size!r}.")
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.split_points = list(split_points) if split_points is not None else None
         self.balance = balance if isinstance(balance, str) else [float(c) for c in balance]
         self.trace_dir = trace_dir
@@ -172,32 +182,60 @@ class AsyncPipelineStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def num_stages(self) -> int:
-        """Pipeline depth: one stage per process."""
+    def num_workers(self) -> int:
+        """All processes of the job: ``devices * num_nodes``."""
         return max(1, self.num_processes * self.num_nodes)
 
     @property
-    def stage(self) -> int:
-        """This process's stage. The last stage (which has the loss) runs on global rank 0."""
-        return self.num_stages - 1 - self.global_rank
+    def num_stages(self) -> int:
+        """Pipeline depth ``P``: ``pipeline_parallel_size``, or one stage per process."""
+        return self.pipeline_parallel_size or self.num_workers
 
-    def rank_of_stage(self, stage: int) -> int:
-        return self.num_stages - 1 - stage
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of pipeline replicas ``D``, each reading its own shard of the data."""
+        return max(1, self.num_workers // self.num_stages)
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_workers > 1
+
+    @property
+    def replica(self) -> int:
+        """This process's pipeline replica (data-parallel rank)."""
+        return self.global_rank % self.data_parallel_size
+
+    @property
+    def stage(self) -> int:
+        """This process's stage. Last stages (which have the loss) take the lowest global ranks, replica 0's
+        on rank 0, so Lightning logs the loss where it lives."""
+        return self.num_stages - 1 - self.global_rank // self.data_parallel_size
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """Global rank of ``stage`` in ``replica`` (default: this process's replica)."""
+        replica = self.replica if replica is None else replica
+        return (self.num_stages - 1 - stage) * self.data_parallel_size + replica
 
     @property
     def is_distributed(self) -> bool:
-        # Every stage reads the same batches: no DistributedSampler.
-        return False
+        # The stages of one pipeline read the same batches; only replicas need a DistributedSampler.
+        return self.data_parallel_size > 1
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.data_parallel_size, "rank": self.replica}
 
     @override
     def _configure_launcher(self) -> None:
+        if self.num_workers % self.num_stages != 0:
+            raise MisconfigurationException(
+                f"devices x num_nodes = {self.num_processes} x {self.num_nodes} = {self.num_workers} processes cannot "
+                f"hold whole pipelines of pipeline_parallel_size={self.num_stages}. Use a number of processes that "
+                f"is a multiple of {self.num_stages}, or change `pipeline_parallel_size`."
+            )
         schedules.validate(self.schedule, self.num_stages, self.num_microbatches)
-        if self.num_stages == 1:
+        if not self.multi_process:
             self._launcher = None
             return
         if self.start_method == "popen":
@@ -224,7 +262,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"AsyncPipelineStrategy does not support precision={precision!r}: fp16 needs a loss scale shared by "
                 "all stages. Use precision='bf16-mixed' or '32-true'."
             )
-        if self.num_stages > 1:
+        if self.multi_process:
             require_pipeline_module(module, f"needed to cut it into {self.num_stages} stages")
             if self.balance == "time":  # measured in `setup`; here only the layer count
                 partition_layers(list(module.pipeline_layers()), self.num_stages, costs=None)
@@ -234,11 +272,11 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.num_stages > 1:
+        if self.multi_process:
             reset_seed()
             assert self.cluster_environment is not None
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_stages)
+            self.cluster_environment.set_world_size(self.num_workers)
             rank_zero_only.rank = self.global_rank
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             self.process_group_backend = backend
@@ -249,7 +287,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # `trainer.init_module(empty_init=True)` builds a multi-stage model on the meta device: each rank
         # materialises only its own stage's layers in `setup`.
-        if self.num_stages > 1 and empty_init:
+        if self.multi_process and empty_init:
             with torch.device("meta"):
                 yield
             return
@@ -260,7 +298,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         # Layers created in `configure_model` start on the meta device too.
-        if self.num_stages > 1:
+        if self.multi_process:
             with torch.device("meta"):
                 yield
             return
@@ -281,18 +319,39 @@ class AsyncPipelineStrategy(ParallelStrategy):
             )
         module = self.lightning_module
         self.check_model(module)
-        if self.num_stages > 1:
+        if self.multi_process:
+            self._create_groups()
             self._place_stage(module)
         elif self.num_microbatches > 1 and not is_pipeline_module(module):
             require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
         super().setup(trainer)
-        if self.num_stages > 1 and trainer.state.fn == TrainerFn.FITTING:
+        if self.multi_process and trainer.state.fn == TrainerFn.FITTING:
             self._runtime = self._build_runtime(trainer)
-            self._relay = StatsRelay(self.global_rank, self.num_stages, dist.new_group(backend="gloo"))
             self._steps_run = 0
             # Stages apply their first update inside a later step, after Lightning has stepped the scheduler;
             # each update uses the learning rate of its own step (see StageRuntime), so the warning is moot.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+
+    def _create_groups(self) -> None:
+        """Process groups. Every rank creates every group, in the same order, as torch.distributed requires."""
+        P, D = self.num_stages, self.data_parallel_size
+        backend = self.process_group_backend
+        self._groups: dict[str, Any] = {}
+        for stage in range(P):  # the replicas of one stage average their gradients
+            group = dist.new_group([self.rank_of(stage, d) for d in range(D)], backend=backend)
+            if stage == self.stage:
+                self._groups["data"] = group
+        for replica in range(D):  # one pipeline: activations, and the clipping norm, each on its own group
+            ranks = [self.rank_of(s, replica) for s in range(P)]
+            p2p, norm = dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend=backend)
+            if replica == self.replica:
+                self._groups["p2p"], self._groups["norm"] = p2p, norm
+        # Statistics travel on gloo (CPU tensors) from replica 0's stages to rank 0.
+        stats_ranks = [self.rank_of(s, 0) for s in range(P)]
+        stats_group = dist.new_group(stats_ranks, backend="gloo")
+        peers = [r for r in stats_ranks if r != 0]
+        self._relay = StatsRelay(self.global_rank, peers, stats_group)
+        self._steps_run = 0
 
     def layer_partition(self, module: LightningModule) -> list[range]:
         """The layers of each stage, from ``split_points`` or balanced by ``balance``."""
@@ -329,7 +388,11 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._localize_metrics(module)
         names = ", ".join(f"{i}:{type(layers[i]).__name__}" for i in own)
         count = sum(count_parameters(layers[i]) for i in own)
-        log.info(f"[rank {self.global_rank}] pipeline stage {self.stage}/{self.num_stages}: layers {names} ({count:,} parameters)")
+        replica = f", replica {self.replica}/{self.data_parallel_size}" if self.data_parallel_size > 1 else ""
+        log.info(
+            f"[rank {self.global_rank}] pipeline stage {self.stage}/{self.num_stages}{replica}: layers {names} "
+            f"({count:,} parameters)"
+        )
         self._stage_modules = [layers[i] for i in own]
         leftover = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
         if leftover:
@@ -338,14 +401,18 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"the meta device: {leftover[:5]}. Every parameter must belong to exactly one pipeline layer."
             )
 
-    @staticmethod
-    def _localize_metrics(module: LightningModule) -> None:
-        """Metrics are updated on the last stage only: syncing them across all ranks would wait forever."""
+    def _localize_metrics(self, module: LightningModule) -> None:
+        """Metrics are updated on the last stages only: they sync across the replicas of the last stage,
+        never across all ranks (the other stages would never join)."""
         from torchmetrics import Metric
 
+        replicated = self.data_parallel_size > 1
         for metric in module.modules():
             if isinstance(metric, Metric):
-                metric.distributed_available_fn = lambda: False
+                if replicated:
+                    metric.process_group = self._groups["data"]
+                else:
+                    metric.distributed_available_fn = lambda: False
 
     def _build_runtime(self, trainer: Trainer) -> StageRuntime:
         if trainer.gradient_clip_algorithm not in (None, "norm"):
@@ -371,12 +438,13 @@ class AsyncPipelineStrategy(ParallelStrategy):
             inputs_fn=lambda mb: module.pipeline_inputs(mb),
             loss_fn=lambda out, mb: module.pipeline_loss(out, mb),
             device=self.root_device,
-            prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
-            next_rank=self.rank_of_stage(stage + 1) if stage < last else None,
+            prev_rank=self.rank_of(stage - 1) if stage > 0 else None,
+            next_rank=self.rank_of(stage + 1) if stage < last else None,
             check_finite=True,
             clip_grad_norm=trainer.gradient_clip_val or None,
-            norm_group=dist.new_group(),
-            p2p_group=dist.new_group(),
+            norm_group=self._groups["norm"],
+            p2p_group=self._groups["p2p"],
+            data_group=self._groups["data"] if self.data_parallel_size > 1 else None,
             forward_context=self.precision_plugin.forward_context,
             trace=self.trace_dir is not None,
             start_version=restored.get("version", 0),
@@ -404,11 +472,14 @@ class AsyncPipelineStrategy(ParallelStrategy):
             loss, stats = self._runtime.run_step(self.lightning_module.trainer.global_step, batch)
             self._steps_run += 1
             if loss is not None:
+                if self.data_parallel_size > 1:  # the loss of the global batch: mean over the replicas
+                    dist.all_reduce(loss, group=self._groups["data"])
+                    loss /= self.data_parallel_size
                 module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
             self._relay.publish(stats)
             if self.is_global_zero:
                 self._record_stats(self.stage, stats)
-                self._relay.poll(lambda rank, s: self._record_stats(self.num_stages - 1 - rank, s), self._steps_run)
+                self._relay.poll(lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._steps_run)
             # The gradients are already in place; `backward` skips this detached value. Only the last
             # stage (rank 0) knows the loss.
             return loss if loss is not None else torch.tensor(float("nan"), device=self.root_device)
@@ -421,6 +492,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         loss = torch.stack(self._microbatch_losses).mean()
         module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         return loss
+
+    def _stage_of_rank(self, rank: int) -> int:
+        return self.num_stages - 1 - rank // self.data_parallel_size
 
     def _record_stats(self, stage: int, stats: StepStats) -> None:
         """Rank 0: keep and log one stage's record; once all stages reported a step, log the mean bubble."""
@@ -514,7 +588,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self.flush()
         if self._relay is not None:
             if self.is_global_zero:
-                self._relay.poll(lambda rank, s: self._record_stats(self.num_stages - 1 - rank, s), self._steps_run, block=True)
+                self._relay.poll(
+                    lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._steps_run, block=True
+                )
             else:
                 self._relay.close()
         self._write_trace()
@@ -522,7 +598,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.num_stages == 1:
+        if not self.multi_process:
             return super().validation_step(*args, **kwargs)
         module = self.lightning_module
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
@@ -547,8 +623,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
             optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0),
             inputs_fn=lambda mb: module.pipeline_inputs(mb), loss_fn=lambda out, mb: module.pipeline_loss(out, mb),
             device=self.root_device,
-            prev_rank=self.rank_of_stage(stage - 1) if stage > 0 else None,
-            next_rank=self.rank_of_stage(stage + 1) if stage < last else None,
+            prev_rank=self.rank_of(stage - 1) if stage > 0 else None,
+            next_rank=self.rank_of(stage + 1) if stage < last else None,
+            p2p_group=self._groups["p2p"],
             forward_context=self.precision_plugin.forward_context,
         )
         return self._runtime
@@ -557,10 +634,11 @@ class AsyncPipelineStrategy(ParallelStrategy):
         """Gather every stage's action timings on rank 0 into one Chrome trace (one row per stage)."""
         if self.trace_dir is None or self._runtime is None:
             return
-        gathered = [None] * self.num_stages if self.is_global_zero else None
+        gathered = [None] * self.num_workers if self.is_global_zero else None
         dist.gather_object((self.stage, self._runtime.events), gathered, dst=0)
         if not self.is_global_zero:
             return
+        gathered = [gathered[self.rank_of(stage, 0)] for stage in range(self.num_stages)]  # replica 0
         origin = min((events[0][1] for _, events in gathered if events), default=0.0)
         trace = []
         for stage, events in sorted(gathered):
@@ -601,14 +679,17 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         stage_state = self._stage_state()
-        if self.num_stages > 1:
-            stage_states = [None] * self.num_stages if self.is_global_zero else None
-            module_states = [None] * self.num_stages if self.is_global_zero else None
+        if self.multi_process:
+            # Replicas hold identical stages: replica 0's make the checkpoint.
+            stage_states = [None] * self.num_workers if self.is_global_zero else None
+            module_states = [None] * self.num_workers if self.is_global_zero else None
             dist.gather_object(stage_state, stage_states, dst=0)
             dist.gather_object(checkpoint["state_dict"], module_states, dst=0)
             if not self.is_global_zero:
                 return
-            stage_states = sorted(stage_states, key=lambda s: s["stage"])
+            replica0 = [self.rank_of(stage, 0) for stage in range(self.num_stages)]
+            stage_states = [stage_states[rank] for rank in replica0]
+            module_states = [module_states[rank] for rank in replica0]
             checkpoint["state_dict"] = {k: v for states in module_states for k, v in states.items()}
         else:
             stage_states = [stage_state]
@@ -669,7 +750,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         stage = self._stage_checkpoint(checkpoint)
-        if self.num_stages > 1 and stage is not None and "optimizer" in stage:
+        if self.multi_process and stage is not None and "optimizer" in stage:
             self.optimizers[0].load_state_dict(stage["optimizer"])
             return
         super().load_optimizer_state_dict(checkpoint)

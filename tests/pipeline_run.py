@@ -70,6 +70,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--pipeline-size", type=int, default=None)
     parser.add_argument("--schedule", default="2bw")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
@@ -97,6 +98,7 @@ def main(argv=None) -> None:
     split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
     strategy = AsyncPipelineStrategy(
         schedule=args.schedule, num_microbatches=args.microbatches, split_points=split_points,
+        pipeline_parallel_size=args.pipeline_size,
         timeout=__import__("datetime").timedelta(seconds=60),
         trace_dir=str(Path(args.out) / "trace") if args.trace else None,
     )

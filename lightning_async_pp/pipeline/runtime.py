@@ -81,6 +81,8 @@ class StageRuntime:
         next_rank: Global rank of the next stage (``None`` on the last stage).
         clip_grad_norm: Clip the gradient of each step to this global norm (across all stages).
         norm_group: Process group of all stages of this pipeline, for the clipping norm.
+        data_group: Process group of this stage's replicas (data parallelism): their gradients are averaged
+            before each update. ``None`` without replicas.
         p2p_group: Process group of the activation and gradient transfers. Give each its own group: gloo
             numbers a group's collectives with the same tags that point-to-point messages use.
         forward_context: Context manager factory around forwards (e.g. autocast).
@@ -103,6 +105,7 @@ class StageRuntime:
     clip_grad_norm: float | None = None
     norm_group: Any = None
     p2p_group: Any = None
+    data_group: Any = None
     forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     trace: bool = False
     start_version: int = 0
@@ -296,6 +299,8 @@ class StageRuntime:
         for name, tensor in source.items():
             grads[name] = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
             tensor.grad = None
+        if self.data_group is not None:
+            self._average_over_replicas(grads)
         pending = _PendingUpdate(step, grads)
         if self.clip_grad_norm is not None:
             norms = [torch.linalg.vector_norm(g.float()) for g in grads.values()]
@@ -306,6 +311,18 @@ class StageRuntime:
             self._pending.append(pending)
         else:
             self._apply_update(pending)
+
+    def _average_over_replicas(self, grads: dict[str, Tensor]) -> None:
+        tensors = list(grads.values())
+        if not tensors:
+            return
+        flat = torch.cat([g.reshape(-1) for g in tensors])
+        dist.all_reduce(flat, group=self.data_group)
+        flat /= dist.get_world_size(self.data_group)
+        offset = 0
+        for g in tensors:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _complete_updates(self, up_to_version: int | None) -> None:
         """Apply pending updates that produce a version ``<= up_to_version`` (all if ``None``)."""

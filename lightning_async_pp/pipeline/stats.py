@@ -32,22 +32,23 @@ class StatsRelay:
 
     Args:
         rank: This process's global rank.
-        world_size: Number of processes (one stage each).
-        group: A gloo process group used only for statistics, so they never queue behind activations.
+        peers: Global ranks that report to rank 0 (the other stages of one pipeline).
+        group: A gloo process group of rank 0 and ``peers``, used only for statistics, so that they never
+            queue behind activations.
     """
 
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, rank: int, peers: list[int], group: dist.ProcessGroup | None) -> None:
         self.rank = rank
-        self.world_size = world_size
+        self.peers = list(peers)
         self.group = group
         self._sends: list[tuple[dist.Work, Tensor]] = []
         self._recvs: dict[int, tuple[Tensor, dist.Work]] = {}
         self.sent = 0
-        self.received = {peer: 0 for peer in range(1, world_size)}
+        self.received = {peer: 0 for peer in self.peers}
 
     def publish(self, stats: StepStats) -> None:
         """Non-zero ranks: post the send of this step's record."""
-        if self.rank == 0:
+        if self.rank not in self.peers:
             return
         values = encode(stats)
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
@@ -64,7 +65,7 @@ class StatsRelay:
         """
         if self.rank != 0:
             return
-        for peer in range(1, self.world_size):
+        for peer in self.peers:
             while self.received[peer] < steps:
                 if peer not in self._recvs:
                     buffer = torch.empty(len(FIELDS), dtype=torch.float64)
