@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -242,17 +243,15 @@ class AsyncPipelineStrategy(ParallelStrategy):
             assert self.cluster_environment is not None
             launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
-        launch = launcher.launch
-
-        def checked_launch(function: Callable, *args: Any, **kwargs: Any) -> Any:
-            # `fit(model, ...)`: find configuration errors here, before any other process starts.
-            if args and isinstance(args[0], LightningModule):
-                self.check_model(args[0])
-            return launch(function, *args, **kwargs)
-
-        launcher.launch = checked_launch
+            launcher = _SpawnLauncher(self, start_method=self.start_method)
+        launcher.launch = functools.partial(self._checked_launch, launcher.launch)
         self._launcher = launcher
+
+    def _checked_launch(self, launch: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        # `fit(model, ...)`: find configuration errors here, before any other process starts.
+        if args and isinstance(args[0], LightningModule):
+            self.check_model(args[0])
+        return launch(function, *args, **kwargs)
 
     def check_model(self, module: LightningModule) -> None:
         """Raise a clear error if ``module`` cannot be trained as this pipeline (called before launching)."""
@@ -634,11 +633,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         """Gather every stage's action timings on rank 0 into one Chrome trace (one row per stage)."""
         if self.trace_dir is None or self._runtime is None:
             return
-        gathered = [None] * self.num_workers if self.is_global_zero else None
-        dist.gather_object((self.stage, self._runtime.events), gathered, dst=0)
-        if not self.is_global_zero:
+        gathered = self.gather_stages((self.stage, self._runtime.events))
+        if gathered is None:
             return
-        gathered = [gathered[self.rank_of(stage, 0)] for stage in range(self.num_stages)]  # replica 0
         origin = min((events[0][1] for _, events in gathered if events), default=0.0)
         trace = []
         for stage, events in sorted(gathered):
@@ -680,16 +677,10 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         stage_state = self._stage_state()
         if self.multi_process:
-            # Replicas hold identical stages: replica 0's make the checkpoint.
-            stage_states = [None] * self.num_workers if self.is_global_zero else None
-            module_states = [None] * self.num_workers if self.is_global_zero else None
-            dist.gather_object(stage_state, stage_states, dst=0)
-            dist.gather_object(checkpoint["state_dict"], module_states, dst=0)
+            stage_states = self.gather_stages(stage_state)
+            module_states = self.gather_stages(checkpoint["state_dict"])
             if not self.is_global_zero:
                 return
-            replica0 = [self.rank_of(stage, 0) for stage in range(self.num_stages)]
-            stage_states = [stage_states[rank] for rank in replica0]
-            module_states = [module_states[rank] for rank in replica0]
             checkpoint["state_dict"] = {k: v for states in module_states for k, v in states.items()}
         else:
             stage_states = [stage_state]
@@ -726,6 +717,22 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"{error}). Resume from another checkpoint; AsyncPipelineStrategy writes checkpoints atomically, so "
                 "the one saved before it is intact."
             ) from error
+
+    def gather_stages(self, obj: Any) -> list[Any] | None:
+        """Collect ``obj`` from every stage of replica 0 on global rank 0, in stage order (a collective: every
+        rank calls it). Replicas hold identical stages. Returns ``None`` on the other ranks."""
+        gathered = [None] * self.num_workers if self.is_global_zero else None
+        dist.gather_object(obj, gathered, dst=0)
+        if not self.is_global_zero:
+            return None
+        return [gathered[self.rank_of(stage, 0)] for stage in range(self.num_stages)]
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The whole model's state dict on global rank 0 (a collective), ``None`` elsewhere."""
+        if not self.multi_process:
+            return self.lightning_module.state_dict()
+        parts = self.gather_stages(self.lightning_module.state_dict())
+        return None if parts is None else {k: v for part in parts for k, v in part.items()}
 
     def _stage_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
         state = checkpoint.get(CHECKPOINT_KEY)
@@ -790,6 +797,18 @@ class AsyncPipelineStrategy(ParallelStrategy):
         # still records both weight versions.
         self.flush()
         super().teardown()
+
+
+class _SpawnLauncher(_MultiProcessingLauncher):
+    """Spawn launcher that hands the *whole* trained model back to the main process, not only rank 0's stage."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        full = self._strategy.full_state_dict()  # every rank takes part
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
+        return output
 
 
 def _rng_state() -> dict[str, Any]:

