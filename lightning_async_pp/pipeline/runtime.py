@@ -18,6 +18,7 @@ all-reduce and applies the update only when the new version is first needed (the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,8 @@ from lightning_async_pp.pipeline.microbatch import split_microbatches
 from lightning_async_pp.pipeline.schedule import Action, Op, drain_actions, step_actions, validate, weight_version
 
 Key = tuple[int, int]  # (step, micro-batch)
+_RECEIVES = (Op.RECV_F, Op.RECV_B)
+_TIMED = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.RECV_F: "wait", Op.RECV_B: "wait", Op.UPDATE: "update"}
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 
 
@@ -144,8 +147,9 @@ class StageRuntime:
         self._hyperparameters: dict[int, list[dict[str, Any]]] = {}
         self._pending: list[_PendingUpdate] = []
         self._stats: StepStats | None = None
-        self.versions_used: dict[int, int] = {}
-        self.update_log: list[tuple[int, int, int]] = []  # (step, gradient version, version produced)
+        self.versions_used: dict[int, int] = {}  # step -> weight version its micro-batches ran on (recent steps)
+        self.update_log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
+        """Recent updates as (step, version the gradient was computed on, version produced)."""
 
     # --- public API ------------------------------------------------------------------------------------
 
@@ -165,6 +169,7 @@ class StageRuntime:
         self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
         self.last_step = step
         del self._microbatches[step]
+        self.versions_used.pop(step - 3, None)
         loss = None
         if self.is_last:
             losses = torch.stack(self._losses.pop(step))
@@ -218,50 +223,43 @@ class StageRuntime:
     # --- the interpreter -------------------------------------------------------------------------------
 
     def _execute(self, actions: list[Action]) -> None:
-        recv_ops = [a.op for a in actions if a.op in (Op.RECV_F, Op.RECV_B)]
-        if Op.RECV_F in recv_ops:
-            self.prev.prefetch()
-        if Op.RECV_B in recv_ops:
-            self.next.prefetch()
+        # Each link's next receive is posted as soon as the previous one completed, so the transfer runs
+        # while this stage computes; never past the segment's last receive, so nothing stays posted.
+        last_recv = {a.op: i for i, a in enumerate(actions) if a.op in _RECEIVES}
+        for op in last_recv:
+            self._channel(op).prefetch()
+        stats = self._stats
         for index, action in enumerate(actions):
             begin = time.perf_counter()
-            self._run(action, actions, index)
+            self._run(action)
+            if action.op in _RECEIVES and index < last_recv[action.op]:
+                self._channel(action.op).prefetch()
             end = time.perf_counter()
+            if stats is not None and action.op in _TIMED:
+                setattr(stats, _TIMED[action.op], getattr(stats, _TIMED[action.op]) + end - begin)
             if self.trace:
                 self.events.append((str(action), begin, end))
 
-    def _run(self, a: Action, actions: list[Action], index: int) -> None:
+    def _channel(self, op: Op) -> Channel:
+        return self.prev if op in (Op.RECV_F, Op.SEND_B) else self.next
+
+    def _run(self, a: Action) -> None:
         key = (a.step, a.microbatch)
-        stats = self._stats
         op = a.op
         if op is Op.FORWARD:
-            t0 = time.perf_counter()
             self._forward(a, key)
-            if stats is not None:
-                stats.forward += time.perf_counter() - t0
         elif op is Op.BACKWARD:
-            t0 = time.perf_counter()
             self._backward(key)
-            if stats is not None:
-                stats.backward += time.perf_counter() - t0
-        elif op is Op.RECV_F or op is Op.RECV_B:
-            channel = self.prev if op is Op.RECV_F else self.next
-            t0 = time.perf_counter()
-            tensor = channel.recv()
-            if stats is not None:
-                stats.wait += time.perf_counter() - t0
-            (self._received if op is Op.RECV_F else self._input_grads)[key] = tensor
-            if any(later.op is op for later in actions[index + 1 :]):
-                channel.prefetch()
+        elif op is Op.RECV_F:
+            self._received[key] = self.prev.recv()
+        elif op is Op.RECV_B:
+            self._input_grads[key] = self.next.recv()
         elif op is Op.SEND_F:
             self.next.send(self._inflight[key][1])
         elif op is Op.SEND_B:
             self.prev.send(self._input_grads.pop(key))
         elif op is Op.UPDATE:
-            t0 = time.perf_counter()
             self._start_update(a.step)
-            if stats is not None:
-                stats.update += time.perf_counter() - t0
 
     def _forward(self, a: Action, key: Key) -> None:
         self._complete_updates(up_to_version=a.version)
