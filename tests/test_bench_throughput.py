@@ -1,0 +1,141 @@
+"""Smoke test of benchmarks/throughput.py at tiny sizes (no timing assertions).
+
+The default suite checks the bookkeeping on made-up records and runs one real (single-process) job; the
+multi-process variants run end to end in the slow test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "throughput.py"
+TINY = ["--width", "16", "--layers", "2", "--heads", "2", "--seq", "8", "--batch-size", "4", "--warmup", "1",
+        "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_and_quick(bench):
+    full, quick = bench.parse_args([]), bench.parse_args(["--quick"])
+    assert (full.repeats, full.warmup, full.steps, full.with_corrected) == (5, 5, 20, True)
+    assert (quick.repeats, quick.warmup, quick.steps, quick.with_corrected) == (2, 3, 10, False)
+    assert bench.configurations(quick) == [(2, 4)]
+    assert bench.configurations(full) == [(p, m) for p in (2, 4) for m in (2, 4, 8)]
+
+
+def test_variants_that_cannot_run_are_named(bench):
+    args = bench.parse_args(["--no-with-corrected", "--no-diagnose-broadcast"])
+    names, skipped = bench.variants_for(4, 2, args)
+    assert "async_pp_2bw" in skipped and "torch_1f1b" in skipped
+    assert names == ["async_pp_1f1b", "torch_gpipe", "single_process"]
+    names, skipped = bench.variants_for(2, 4, bench.parse_args([]))
+    assert not skipped and set(bench.PIPELINE_VARIANTS) <= set(names)
+    assert {bench.CORRECTED_VARIANT, bench.NO_BROADCAST_VARIANT} <= set(names)
+
+
+def _records(with_stats: bool):
+    ends = [0.1 * (i + 1) for i in range(4)]  # warm-up 1, timed 2: window = ends[2] - ends[0] = 0.2 s
+    records = []
+    for rank, stage in ((0, 1), (1, 0)):
+        record = {"rank": rank, "stage": stage, "ends": ends, "peak_rss_mb": 100.0 + stage, "stage_weight_mb": 1.0}
+        if not with_stats:
+            record["busy"] = [0.05] * 4
+        records.append(record)
+    if with_stats:
+        step = {"wall": 0.09, "forward": 0.02, "backward": 0.04, "wait": 0.01, "update": 0.01, "version_lag": 1}
+        records[0]["stage_stats"] = {str(s): [dict(step, step=t) for t in range(4)] for s in (0, 1)}
+    return records
+
+
+@pytest.mark.parametrize("with_stats", [True, False], ids=["engine_stats", "timed_calls"])
+def test_summarize_job(bench, with_stats):
+    args = bench.parse_args(TINY + ["--steps", "2"])
+    measured = bench.summarize_job("x", _records(with_stats), args, num_microbatches=2)
+    assert measured["tokens_per_sec"] == pytest.approx(4 * 8 * 2 / 0.2)
+    assert [s["stage"] for s in measured["stages"]] == [0, 1]
+    busy = 2 * (0.07 if with_stats else 0.05)
+    for s in measured["stages"]:
+        assert s["busy_s"] == pytest.approx(busy)
+        assert s["bubble_fraction"] == pytest.approx(1 - busy / 0.2)
+    if with_stats:
+        assert measured["stages"][0]["forward_s_per_mb"] == pytest.approx(0.01)
+        assert bench.simulate_job("async_pp_2bw", measured, 2, 2, args, transfer=0.0) > 0
+
+
+def test_transfer_latency_from_trace(bench, tmp_path):
+    events = [
+        {"name": "0SF4", "ph": "X", "tid": 0, "ts": 1000.0, "dur": 10.0},
+        {"name": "1RF4", "ph": "X", "tid": 1, "ts": 900.0, "dur": 600.0},  # waited: latency 0.5 ms
+        {"name": "1SB3", "ph": "X", "tid": 1, "ts": 2000.0, "dur": 10.0},
+        {"name": "0RB3", "ph": "X", "tid": 0, "ts": 2500.0, "dur": 1.0},  # posted after the send: not counted
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert bench.trace_transfer_seconds(path) == pytest.approx(0.5e-3)
+
+
+def test_report_from_made_up_runs(bench):
+    args = bench.parse_args(TINY + ["--no-simulate"])
+    raw = {}
+    for rep in range(2):
+        for name, speed in (("async_pp_2bw", 1.3), ("async_pp_1f1b", 1.0), ("torch_1f1b", 1.0)):
+            records = _records(with_stats=name.startswith("async"))
+            measured = bench.summarize_job(name, records, args, 4)
+            measured["tokens_per_sec"] *= speed
+            raw.setdefault((name, 2, 4), []).append(dict(measured, rep=rep))
+        raw.setdefault((bench.OVERHEAD_JOB, 1, 1), []).append(
+            {"rep": rep, "tokens_per_sec": {"p1_async_pp_1f1b": [99.0, 99.0], "p1_lightning": [100.0, 100.0]}}
+        )
+    results = bench.aggregate(raw, args)
+    names = {r["name"] for r in results}
+    assert {"async_pp_2bw", "torch_1f1b", "p1_lightning", "p1_async_pp_1f1b"} <= names
+    for r in results:
+        assert {"name", "tokens_per_sec"} <= set(r)
+        if r["num_stages"] > 1:
+            assert len(r["peak_rss_mb"]) == len(r["bubble_fraction"]) == 2
+    report = {
+        "config": {"model": {"width": 16, "blocks": 2, "seq": 8}, "batch_size": 4, "warmup_steps": 1,
+                   "timed_steps": 2, "repeats": 2},
+        "machine": {"before": {"cpu": "x", "cores": 2, "loadavg": None}, "after": {"loadavg": None}},
+        "oversubscribed_stage_counts": [4], "skipped": {}, "results": results,
+        "ratios_vs_torch_1f1b": bench.ratios(results, raw), "errors": [], "seconds": 1.0,
+    }
+    report["targets"] = bench.check_targets(report)
+    assert report["targets"]["async_pp_2bw_vs_torch_1f1b"]["value"] == pytest.approx(1.3)
+    assert report["targets"]["async_pp_2bw_vs_torch_1f1b"]["met"]
+    assert report["targets"]["p1_overhead"]["met"]
+    text = bench.format_report(report)
+    assert "oversubscribes" in text and "async_pp_2bw" in text and "P=1 overhead" in text
+
+
+def test_one_real_job(bench, tmp_path):
+    args = bench.parse_args(TINY)
+    measured = bench.run_job("single_process", 1, 1, args, [], tmp_path, timeout=120)
+    assert "error" not in measured, measured.get("error")
+    assert measured["tokens_per_sec"] > 0 and measured["stages"][0]["peak_rss_mb"] > 0
+
+
+@pytest.mark.slow
+def test_quick_run_of_every_variant(bench, tmp_path):
+    out = tmp_path / "throughput.json"
+    argv = [*TINY, "--repeats", "1", "--stage-counts", "2", "--microbatch-counts", "2", "--with-corrected",
+            "--out", str(out), "--timeout", "240"]
+    report = bench.main(argv)
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
+    assert not report["errors"], report["errors"]
+    names = {r["name"] for r in report["results"]}
+    assert set(bench.PIPELINE_VARIANTS) | {bench.CORRECTED_VARIANT} | set(bench.OVERHEAD_VARIANTS) <= names
+    for r in report["results"]:
+        if r["num_stages"] == 2 and r["name"] != "single_process":
+            assert len(r["peak_rss_mb"]) == 2 and r["tokens_per_sec"] > 0
+    assert {s["name"] for s in report["simulator"]} == {"async_pp_2bw", "async_pp_1f1b", bench.CORRECTED_VARIANT}
