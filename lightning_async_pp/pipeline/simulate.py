@@ -140,6 +140,8 @@ def simulate(
     schedule: Schedule,
     costs: Sequence[StageCosts] | StageCosts,
     transfer: float = 0.0,
+    step_overhead: Sequence[float] | float = 0.0,
+    step_sync: bool = False,
 ) -> SimulationResult:
     """Time ``schedule`` with the given costs.
 
@@ -149,6 +151,14 @@ def simulate(
         costs: one :class:`StageCosts` for all stages or one per stage.
         transfer: seconds between a stage finishing a micro-batch and its
             neighbour being able to use the result (activation or gradient).
+        step_overhead: seconds of host work per step and stage outside the
+            schedule's actions (the training loop, data loading, hooks), spent
+            right before the stage starts its share of each step (the step's
+            first action on that stage); one value for all stages or one per stage.
+        step_sync: model a trainer that synchronises the stages once per step:
+            a stage starts its share of step ``t`` only once the last stage has
+            reached step ``t`` (Lightning broadcasts a flag from rank 0, which
+            runs the last stage, before every training step).
 
     Raises:
         DeadlockError: when the per-stage orders cannot all run to completion.
@@ -157,29 +167,25 @@ def simulate(
     per_stage = _stage_costs(costs, P)
     if transfer < 0:
         raise ValueError(f"transfer must be >= 0, got {transfer}")
+    overhead = [float(step_overhead)] * P if isinstance(step_overhead, (int, float)) else list(step_overhead)
+    if len(overhead) != P or min(overhead) < 0:
+        raise ValueError(f"step_overhead must be >= 0, one value or one per stage ({P}), got {step_overhead!r}")
     comm = any(a.is_comm for acts in schedule.stages for a in acts)
-    clock = [0.0] * P
-    arrival: dict[tuple, float] = {}  # cross-stage result -> time the receiver can use it
-    timelines: list[list[Event]] = [[] for _ in range(P)]
-
-    # Any order respecting the dependencies gives the same times: each start is
-    # the max of the stage's clock and the arrival of what it needs.
-    def visit(s: int, a: Action, need: tuple | None, made: tuple | None) -> None:
-        ready = clock[s] if need is None else max(clock[s], arrival[need])
-        if a.op in (Op.RECV_F, Op.RECV_B):
-            start, end = clock[s], ready  # the stage sits in the receive until the data is there
-        else:
-            start, end = ready, ready + per_stage[s].of(a.op)
-        if made is not None:
-            arrival[made] = end + transfer
-        timelines[s].append(Event(a, start, end))
-        clock[s] = end
-
-    stuck = _run_in_order(schedule, visit)
-    if stuck:
-        detail = "; ".join(f"stage {s} waits at {a} ({_describe_wait(a, P, comm)})" for s, a in stuck)
-        raise DeadlockError(f"{schedule.kind} schedule with {P} stages deadlocks: {detail}")
-
+    # The first action of each step on each stage (its first forward, or that forward's receive).
+    step_start: dict[tuple[int, Action], int] = {}
+    for s, acts in enumerate(schedule.stages):
+        seen: set[int] = set()
+        for a in acts:
+            if a.op is not Op.UPDATE and a.step not in seen:
+                seen.add(a.step)
+                step_start[(s, a)] = a.step
+    release: dict[int, float] = {}  # step -> when the last stage reaches it (step_sync)
+    while True:
+        timelines, reached = _timelines(schedule, per_stage, transfer, overhead, step_start, release, comm)
+        if not step_sync or all(release.get(t) == v for t, v in reached.items()):
+            break
+        # Start times only grow from one pass to the next; a few passes settle them.
+        release = reached
     makespan = max((ev.end for tl in timelines for ev in tl), default=0.0)
     busy = [sum(ev.end - ev.start for ev in tl if ev.action.is_compute) for tl in timelines]
     utilization = [b / makespan if makespan > 0 else 1.0 for b in busy]
@@ -208,6 +214,49 @@ def simulate(
         steady_throughput=(window[1] - window[0]) * M / spans[0] if spans[0] > 0 else float("inf"),
         costs=per_stage,
     )
+
+
+def _timelines(
+    schedule: Schedule,
+    per_stage: list[StageCosts],
+    transfer: float,
+    overhead: list[float],
+    step_start: dict[tuple[int, Action], int],
+    release: dict[int, float],
+    comm: bool,
+) -> tuple[list[list[Event]], dict[int, float]]:
+    """One pass over the lists; returns the timelines and when the last stage reached each step."""
+    P = schedule.num_stages
+    clock = [0.0] * P
+    arrival: dict[tuple, float] = {}  # cross-stage result -> time the receiver can use it
+    timelines: list[list[Event]] = [[] for _ in range(P)]
+    reached: dict[int, float] = {}
+
+    # Any order respecting the dependencies gives the same times: each start is
+    # the max of the stage's clock and the arrival of what it needs.
+    def visit(s: int, a: Action, need: tuple | None, made: tuple | None) -> None:
+        step = step_start.get((s, a))
+        if step is not None:
+            clock[s] += overhead[s]
+            if s == P - 1:
+                reached[step] = clock[s]
+            else:
+                clock[s] = max(clock[s], release.get(step, 0.0))
+        ready = clock[s] if need is None else max(clock[s], arrival[need])
+        if a.op in (Op.RECV_F, Op.RECV_B):
+            start, end = clock[s], ready  # the stage sits in the receive until the data is there
+        else:
+            start, end = ready, ready + per_stage[s].of(a.op)
+        if made is not None:
+            arrival[made] = end + transfer
+        timelines[s].append(Event(a, start, end))
+        clock[s] = end
+
+    stuck = _run_in_order(schedule, visit)
+    if stuck:
+        detail = "; ".join(f"stage {s} waits at {a} ({_describe_wait(a, P, comm)})" for s, a in stuck)
+        raise DeadlockError(f"{schedule.kind} schedule with {P} stages deadlocks: {detail}")
+    return timelines, reached
 
 
 def _window_bounds(timeline: list[Event], window: tuple[int, int], makespan: float) -> tuple[float, float]:
