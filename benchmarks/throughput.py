@@ -444,34 +444,65 @@ def summarize_job(name: str, records: list[dict], args: argparse.Namespace, num_
 # ------------------------------------------------------------------------------------------ simulator check
 
 
+def _trace_events(trace_path: str | Path) -> list[tuple[int, str, int, float, float]]:
+    """``(stage, op, global micro-batch or step, start, end)`` of every action in an engine trace (seconds)."""
+    out = []
+    for e in json.loads(Path(trace_path).read_text())["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        body = e["name"].lstrip("0123456789")
+        op = body.rstrip("0123456789")
+        out.append((e["tid"], op, int(body[len(op):]), e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
+    return out
+
+
 def trace_transfer_seconds(trace_path: str | Path) -> float:
     """Median latency of activation/gradient transfers seen in a Chrome trace of the engine.
 
-    For each receive that was posted before its sender finished sending (so the receiver really waited
+    For each receive that was posted before its sender started sending (so the receiver really waited
     for the data), latency = end of the receive - start of the matching send on the neighbouring stage.
     """
-    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e.get("ph") == "X"]
     sends, recvs = {}, []
-    for e in events:
-        kind = e["name"].lstrip("0123456789")
-        op = kind.rstrip("0123456789")
-        mb = kind[len(op):]
-        stage = e["tid"]
+    for stage, op, index, start, end in _trace_events(trace_path):
         if op in ("SF", "SB"):
-            dst = stage + 1 if op == "SF" else stage - 1
-            sends[("F" if op == "SF" else "B", dst, mb)] = e["ts"]
+            sends[(op[1], stage + 1 if op == "SF" else stage - 1, index)] = start
         elif op in ("RF", "RB"):
-            recvs.append(("F" if op == "RF" else "B", stage, mb, e["ts"], e["ts"] + e["dur"]))
+            recvs.append((op[1], stage, index, start, end))
     latencies = []
-    for direction, stage, mb, start, end in recvs:
-        sent = sends.get((direction, stage, mb))
+    for direction, stage, index, start, end in recvs:
+        sent = sends.get((direction, stage, index))
         if sent is not None and start <= sent:
-            latencies.append((end - sent) * 1e-6)
+            latencies.append(end - sent)
     return statistics.median(latencies) if latencies else 0.0
 
 
+def trace_step_overhead(trace_path: str | Path, num_microbatches: int, first_step: int = 0) -> list[float]:
+    """Per stage, median host time between its share of one step and the next (outside the engine's actions).
+
+    That is the gap before the first action of each step ``t > first_step`` on the stage: the training loop,
+    data loading and hooks, plus any wait for another rank in a collective the trainer runs between steps.
+    """
+    per_stage: dict[int, list[tuple[float, float, int]]] = {}
+    for stage, op, index, start, end in _trace_events(trace_path):
+        step = index if op == "U" else index // num_microbatches
+        per_stage.setdefault(stage, []).append((start, end, step if op != "U" else -1))
+    out = []
+    for stage in sorted(per_stage):
+        events = sorted(per_stage[stage])
+        gaps, seen = [], set()
+        for previous, (start, _, step) in zip(events, events[1:]):
+            if step > first_step and step not in seen:
+                seen.add(step)
+                gaps.append(max(0.0, start - previous[1]))
+            elif step >= 0:
+                seen.add(step)
+        out.append(statistics.median(gaps) if gaps else 0.0)
+    return out
+
+
 def simulate_job(name: str, measured: dict[str, Any], num_stages: int, num_microbatches: int,
-                 args: argparse.Namespace, transfer: float) -> float:
+                 args: argparse.Namespace, transfer: float, step_overhead: Sequence[float] | float = 0.0,
+                 step_sync: bool = False) -> float:
     """Tokens/s the schedule simulator predicts from a job's measured per-stage costs."""
     from lightning_async_pp.pipeline.schedule import build_schedule
     from lightning_async_pp.pipeline.simulate import StageCosts, simulate
@@ -482,7 +513,7 @@ def simulate_job(name: str, measured: dict[str, Any], num_stages: int, num_micro
     ]
     kind = "2bw" if "2bw" in name else "1f1b"
     schedule = build_schedule(kind, num_stages, num_microbatches, max(8, args.warmup + args.steps))
-    result = simulate(schedule, costs, transfer=transfer)
+    result = simulate(schedule, costs, transfer=transfer, step_overhead=step_overhead, step_sync=step_sync)
     tokens_per_microbatch = args.batch_size // num_microbatches * args.seq
     return result.steady_throughput * tokens_per_microbatch
 
@@ -718,22 +749,40 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def simulator_check(raw: dict, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Per async configuration: simulated tokens/s from each repetition's measured costs vs the measurement."""
+    """Per async configuration: tokens/s the simulator predicts from each repetition's measured costs.
+
+    Fed per stage: forward and backward time per micro-batch and update time per step (the engine's
+    ``StepStats``), the transfer latency and the host time between steps (read from the Chrome trace).
+    ``simulated_tokens_per_sec`` models the run as it is: Lightning's per-step broadcast from rank 0
+    (``step_sync``) for every variant but the diagnostic one, and the host overhead of the last stage
+    (rank 0, which waits for nobody in that broadcast) on every stage. ``schedule_only_tokens_per_sec`` leaves
+    out the overhead and the synchronisation: the schedule alone.
+    """
     out = []
     for (name, p, m), reps in raw.items():
         if name not in ASYNC_VARIANTS or not reps:
             continue
-        predicted, transfers = [], []
+        sync = name != NO_BROADCAST_VARIANT
+        predicted, bare, transfers, overheads = [], [], [], []
         for rep in reps:
-            transfer = trace_transfer_seconds(rep["trace"]) if rep.get("trace") else 0.0
+            transfer, overhead = 0.0, [0.0] * p
+            if rep.get("trace"):
+                transfer = trace_transfer_seconds(rep["trace"])
+                overhead = trace_step_overhead(rep["trace"], m, first_step=args.warmup)
+                if sync:
+                    overhead = [overhead[-1]] * p
             transfers.append(transfer)
-            predicted.append(simulate_job(name, rep, p, m, args, transfer))
+            overheads.append(overhead)
+            predicted.append(simulate_job(name, rep, p, m, args, transfer, overhead, step_sync=sync))
+            bare.append(simulate_job(name, rep, p, m, args, transfer))
         measured = _median([r["tokens_per_sec"] for r in reps])
         prediction = _median(predicted)
         out.append({
             "name": name, "num_stages": p, "num_microbatches": m, "measured_tokens_per_sec": measured,
             "simulated_tokens_per_sec": prediction, "relative_error": prediction / measured - 1.0,
+            "schedule_only_tokens_per_sec": _median(bare), "step_sync": sync,
             "transfer_ms": 1e3 * _median(transfers),
+            "step_overhead_ms": [1e3 * _median([o[s] for o in overheads]) for s in range(p)],
             "costs_ms": [
                 {"forward_per_mb": 1e3 * _median([r["stages"][s]["forward_s_per_mb"] for r in reps]),
                  "backward_per_mb": 1e3 * _median([r["stages"][s]["backward_s_per_mb"] for r in reps]),
@@ -801,7 +850,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"simulator {sim['name']} P={sim['num_stages']} M={sim['num_microbatches']}: predicted "
             f"{sim['simulated_tokens_per_sec']:.0f} tokens/s vs measured {sim['measured_tokens_per_sec']:.0f} "
-            f"({100 * sim['relative_error']:+.1f}%), transfer {sim['transfer_ms']:.2f} ms"
+            f"({100 * sim['relative_error']:+.1f}%; schedule alone {sim['schedule_only_tokens_per_sec']:.0f}), "
+            f"transfer {sim['transfer_ms']:.2f} ms, host time between steps "
+            f"{_fmt(sim['step_overhead_ms'], '.1f')} ms{', per-step sync' if sim['step_sync'] else ''}"
         )
     if report["errors"]:
         lines.append(f"{len(report['errors'])} job(s) failed; see `errors` in the JSON")

@@ -139,3 +139,33 @@ def test_quick_run_of_every_variant(bench, tmp_path):
         if r["num_stages"] == 2 and r["name"] != "single_process":
             assert len(r["peak_rss_mb"]) == 2 and r["tokens_per_sec"] > 0
     assert {s["name"] for s in report["simulator"]} == {"async_pp_2bw", "async_pp_1f1b", bench.CORRECTED_VARIANT}
+
+
+# --- the simulator features the benchmark feeds with measured numbers ---------------------------------------
+
+
+def test_step_overhead_adds_host_time_per_step():
+    from lightning_async_pp.pipeline.schedule import build_schedule
+    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+
+    costs = StageCosts(forward=1.0, backward=2.0)
+    single = simulate(build_schedule("1f1b", 1, 4, 5), costs, step_overhead=0.5)
+    assert single.makespan == pytest.approx(5 * (4 * 3.0 + 0.5))
+    # A flushed 1F1B step: the stages start their share of a step one after the other, each after its overhead.
+    flushed = simulate(build_schedule("1f1b", 3, 4, 6), costs, step_overhead=0.5)
+    assert flushed.makespan == pytest.approx(6 * ((4 + 3 - 1) * 3.0 + 0.5))
+    with pytest.raises(ValueError, match="step_overhead"):
+        simulate(build_schedule("1f1b", 3, 4, 1), costs, step_overhead=[0.1, 0.2])
+
+
+def test_step_sync_costs_2bw_but_not_1f1b():
+    from lightning_async_pp.pipeline.schedule import build_schedule
+    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+
+    costs = StageCosts(forward=1.0, backward=2.0, update=0.5)
+    for P, M in ((2, 4), (4, 4), (3, 6)):
+        flushed = [simulate(build_schedule("1f1b", P, M, 8), costs, 0.1, 0.2, step_sync=sync) for sync in (False, True)]
+        assert flushed[0].makespan == pytest.approx(flushed[1].makespan)  # already synchronous every step
+        free, synced = (simulate(build_schedule("2bw", P, M, 8), costs, 0.1, 0.2, step_sync=s) for s in (False, True))
+        assert free.steady_throughput > synced.steady_throughput >= flushed[0].steady_throughput
+        assert max(free.steady_bubble_fraction) < max(synced.steady_bubble_fraction)
