@@ -155,10 +155,12 @@ def simulate(
             schedule's actions (the training loop, data loading, hooks), spent
             right before the stage starts its share of each step (the step's
             first action on that stage); one value for all stages or one per stage.
-        step_sync: model a trainer that synchronises the stages once per step:
-            a stage starts its share of step ``t`` only once the last stage has
-            reached step ``t`` (Lightning broadcasts a flag from rank 0, which
-            runs the last stage, before every training step).
+        step_sync: model a trainer that synchronises the stages once per step
+            (a barrier): a stage starts its share of step ``t`` only once every
+            stage has reached step ``t``, i.e. finished its share of step
+            ``t - 1`` and its ``step_overhead``. Lightning does this with a
+            blocking broadcast from rank 0 before every training step when
+            ``world_size > 1``.
 
     Raises:
         DeadlockError: when the per-stage orders cannot all run to completion.
@@ -179,7 +181,7 @@ def simulate(
             if a.op is not Op.UPDATE and a.step not in seen:
                 seen.add(a.step)
                 step_start[(s, a)] = a.step
-    release: dict[int, float] = {}  # step -> when the last stage reaches it (step_sync)
+    release: dict[int, float] = {}  # step -> when the last of the stages reaches it (step_sync)
     while True:
         timelines, reached = _timelines(schedule, per_stage, transfer, overhead, step_start, release, comm)
         if not step_sync or all(release.get(t) == v for t, v in reached.items()):
@@ -225,7 +227,7 @@ def _timelines(
     release: dict[int, float],
     comm: bool,
 ) -> tuple[list[list[Event]], dict[int, float]]:
-    """One pass over the lists; returns the timelines and when the last stage reached each step."""
+    """One pass over the lists; returns the timelines and, per step, when the last of the stages reached it."""
     P = schedule.num_stages
     clock = [0.0] * P
     arrival: dict[tuple, float] = {}  # cross-stage result -> time the receiver can use it
@@ -238,10 +240,8 @@ def _timelines(
         step = step_start.get((s, a))
         if step is not None:
             clock[s] += overhead[s]
-            if s == P - 1:
-                reached[step] = clock[s]
-            else:
-                clock[s] = max(clock[s], release.get(step, 0.0))
+            reached[step] = max(reached.get(step, 0.0), clock[s])
+            clock[s] = max(clock[s], release.get(step, 0.0))
         ready = clock[s] if need is None else max(clock[s], arrival[need])
         if a.op in (Op.RECV_F, Op.RECV_B):
             start, end = clock[s], ready  # the stage sits in the receive until the data is there
