@@ -753,9 +753,10 @@ def simulator_check(raw: dict, args: argparse.Namespace) -> list[dict[str, Any]]
 
     Fed per stage: forward and backward time per micro-batch and update time per step (the engine's
     ``StepStats``), the transfer latency and the host time between steps (read from the Chrome trace).
-    ``simulated_tokens_per_sec`` models the run as it is: Lightning's per-step broadcast from rank 0
-    (``step_sync``) for every variant but the diagnostic one, and the host overhead of the last stage
-    (rank 0, which waits for nobody in that broadcast) on every stage. ``schedule_only_tokens_per_sec`` leaves
+    ``simulated_tokens_per_sec`` models the run as it is: Lightning's per-step broadcast from rank 0, a
+    barrier (``step_sync``), for every variant but the diagnostic one; the host time between steps is then
+    the smallest of the stages' (the stage that arrives last at the barrier does not wait in it), on every
+    stage. ``schedule_only_tokens_per_sec`` leaves
     out the overhead and the synchronisation: the schedule alone.
     """
     out = []
@@ -770,7 +771,7 @@ def simulator_check(raw: dict, args: argparse.Namespace) -> list[dict[str, Any]]
                 transfer = trace_transfer_seconds(rep["trace"])
                 overhead = trace_step_overhead(rep["trace"], m, first_step=args.warmup)
                 if sync:
-                    overhead = [overhead[-1]] * p
+                    overhead = [min(overhead)] * p
             transfers.append(transfer)
             overheads.append(overhead)
             predicted.append(simulate_job(name, rep, p, m, args, transfer, overhead, step_sync=sync))
