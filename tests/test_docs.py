@@ -254,3 +254,11 @@ def test_configuration_tables_list_every_argument_with_its_default():
             if isinstance(default, tuple):
                 default = list(default)
             assert shown == default, f"{heading}: {name} documented as {cell}, default is {parameter.default!r}"
+
+
+def test_mkdocs_nav_lists_every_page():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    listed = {page for entry in config["nav"] for page in entry.values()}
+    pages = {p.name for p in DOCS.glob("*.md")}
+    assert pages <= listed, f"pages missing from mkdocs.yml's nav: {sorted(pages - listed)}"
+    assert listed <= pages | BENCHMARK_REPORTS, f"nav entries without a page: {sorted(listed - pages - BENCHMARK_REPORTS)}"
