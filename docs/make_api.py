@@ -263,7 +263,7 @@ def render() -> str:
     for modname in modules():
         module = importlib.import_module(modname)
         names = public_names(module)
-        anchor = modname.replace(".", "").replace("_", "")
+        anchor = re.sub(r"[^\w\- ]", "", modname.lower())  # the heading's anchor on GitHub and in mkdocs
         toc.append(f"- [`{modname}`](#{anchor})")
         body += [f"## `{modname}`", "", docstring_markdown(module.__doc__), ""]
         reexports, own = [], []

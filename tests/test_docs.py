@@ -192,6 +192,22 @@ def test_relative_links_resolve(page):
         assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
 
 
+def _slug(heading: str) -> str:
+    # GitHub's (and mkdocs' toc) anchor of a heading: lower case, punctuation dropped, spaces to dashes.
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_anchors_resolve():
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            path = (page.parent / target) if target else page
+            if not path.exists() or path.suffix != ".md":
+                continue
+            headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{page.name} links to {target}#{anchor}: no such heading"
+
+
 def test_api_reference_is_current():
     sys.path.insert(0, str(DOCS))
     try:
