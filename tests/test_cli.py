@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +68,6 @@ def test_two_stages_log_the_same_loss_curve_as_one_device(tmp_path):
 
 
 def test_optimizer_overlays_build_the_named_optimizers():
-    import pytest  # noqa: F401
     from lightning.pytorch import LightningDataModule, LightningModule
 
     from lightning_async_pp.cli import AsyncPipelineCLI
@@ -96,6 +97,7 @@ def test_corrected_muon_config_trains(tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_torchrun_drives_the_cli(tmp_path):
     """torchrun starts the processes itself (Lightning's TorchElasticEnvironment); same loss curve as one device."""
     one, two = tmp_path / "one", tmp_path / "torchrun"

@@ -24,6 +24,7 @@ def global_batches(steps, replicas):
 # Not Muon: torch's Newton-Schulz iteration runs in bfloat16, which turns the replicas' different summation
 # order (~1e-7) into ~1e-3 differences. (Without replicas the order is the same and Muon matches exactly.)
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.slow
 def test_two_replicas_of_two_stages_equal_single_device(tmp_path, optimizer):
     steps, P, D, M = 10, 2, 2, 2
     result, weights = run_pipeline(

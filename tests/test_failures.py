@@ -45,6 +45,7 @@ def _alive_in_group(pgid, grace=15.0):
 
 
 @pytest.mark.parametrize("rank", [1, 0], ids=["first-stage-killed", "last-stage-killed"])
+@pytest.mark.slow
 def test_killed_stage_brings_the_job_down(tmp_path, rank):
     code, output, elapsed, leftovers = run_failing(tmp_path, 2, "--kill-rank", str(rank), "--fail-step", "4")
     assert code != 0
@@ -55,6 +56,7 @@ def test_killed_stage_brings_the_job_down(tmp_path, rank):
 
 
 @pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.slow
 def test_nan_loss_stops_training_naming_step_and_microbatch(tmp_path, devices):
     code, output, elapsed, leftovers = run_failing(tmp_path, devices, "--nan-step", "3")
     assert code != 0 and not leftovers

@@ -132,6 +132,7 @@ def test_gradient_clipping_uses_the_global_norm_across_stages(tmp_path):
     assert abs(unclipped_losses[-1] - ref_losses[-1]) > 1e-4  # the clip is active
 
 
+@pytest.mark.slow
 def test_bf16_mixed_pipeline_tracks_single_device(tmp_path):
     result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 8, "adamw", "--precision", "bf16-mixed")
     ref_losses, ref_weights = reference("2bw", 2, 8, "adamw", precision="bf16-mixed")
@@ -156,6 +157,7 @@ def test_checkpoint_holds_every_stage_and_both_versions(tmp_path):
     assert saved == set(weights)
 
 
+@pytest.mark.slow
 def test_spawn_start_method_returns_the_whole_trained_model():
     """With start_method="spawn" the main process gets every stage's trained weights back."""
     import re

@@ -11,6 +11,7 @@ from test_pipeline_exactness import run_pipeline
 
 
 @pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.slow
 def test_resume_continues_the_exact_trajectory(tmp_path, devices):
     """30 steps straight == 15 steps, save, resume in a new process, 15 more (bitwise on CPU)."""
     common = ("--total-steps", "30")
