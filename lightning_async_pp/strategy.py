@@ -99,6 +99,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         process_group_backend: ``torch.distributed`` backend (default: NCCL on GPUs, gloo on CPUs).
         timeout: How long a process waits for a transfer or collective before it gives up and brings the job
             down. A stage that dies is noticed at once (its connections close); the timeout catches a hung one.
+            In YAML, a duration string such as ``"0:05:00"``.
     """
 
     strategy_name = "async_pp"

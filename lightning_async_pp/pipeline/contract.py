@@ -55,7 +55,7 @@ def require_pipeline_module(module: Any, reason: str) -> None:
             f"{type(module).__name__} does not implement the pipeline contract ({reason}): it lacks "
             f"{', '.join(missing)}. Define `pipeline_layers()`, `pipeline_inputs(batch)` and "
             "`pipeline_loss(output, batch)` on your LightningModule; see "
-            "`lightning_async_pp.pipeline.contract` and docs/index.md."
+            "`lightning_async_pp.pipeline.contract` and docs/user-guide.md."
         )
 
 

@@ -70,8 +70,11 @@ def materialize(root: nn.Module, index: int, layer: nn.Module, device: torch.dev
         reset(index, layer)
         return
     for module in layer.modules():
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+        # nn.MultiheadAttention initialises its packed input projection in `_reset_parameters`.
+        for name in ("reset_parameters", "_reset_parameters"):
+            if callable(getattr(module, name, None)):
+                getattr(module, name)()
+                break
 
 
 def partition_layers(
