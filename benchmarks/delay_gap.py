@@ -548,7 +548,7 @@ def markdown(report: dict[str, Any]) -> str:
         for opt, rows in report["lr_grid"].items():
             for row in rows:
                 star = " *" if row["lr"] == report["chosen_lr"][opt] else ""
-                star += " (edge of the grid)" if star and report["chosen_lr_at_grid_edge"].get(opt) else ""
+                star += " (edge of the grid)" if star and report.get("chosen_lr_at_grid_edge", {}).get(opt) else ""
                 lines.append(f"| {opt} | {row['lr']:g}{star} | {_fmt(row['final_val_loss'])} | "
                              f"{_fmt(row['delayed']) if 'delayed' in row else ''} | "
                              f"{_fmt(row['gap'], signed=True) if 'gap' in row else ''} |")
@@ -613,47 +613,78 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         return False
     runs = report["runs"]
     panels = [opt for opt in OPTIMIZERS if any(r["optimizer"] == opt and r["kind"] == "main" for r in runs)]
-    extra = 1 if report.get("depth") else 0
-    fig, axes = plt.subplots(1, len(panels) + extra, figsize=(5.2 * (len(panels) + extra), 4.2), squeeze=False)
+    lr_rows = {opt: [row for row in rows if "gap" in row] for opt, rows in (report.get("lr_grid") or {}).items()}
+    lr_rows = {opt: rows for opt, rows in lr_rows.items() if rows}
+    extras = [name for name, present in (("depth", report.get("depth")), ("lr", lr_rows)) if present]
+    count = len(panels) + len(extras)
+    cols = 2 if count > 2 else count
+    rows_n = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.2 * cols, 4.4 * rows_n), squeeze=False)
+    axes = list(axes.flat)
     colors = {"sync": "tab:blue", "delayed": "tab:red", "delayed_corrected": "tab:green"}
     names = {"sync": "sync", "delayed": "delayed (2BW)", "delayed_corrected": "delayed + correction"}
-    for ax, opt in zip(axes[0], panels):
-        lows = []
+    opt_colors = {"adamw": "tab:orange", "muon": "tab:purple"}
+    nan = float("nan")
+    for ax, opt in zip(axes, panels):
+        upper = []
+        lower = []
         for mode in MODES:
             curves = [r["val_curve"] for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r["mode"] == mode]
             for i, curve in enumerate(curves):
                 steps = [s for s, v in curve if v is not None]
                 values = [v for s, v in curve if v is not None]
-                lows += values[len(values) // 3:]
-                ax.plot(steps, values, color=colors[mode], alpha=0.8, lw=1.2, label=names[mode] if i == 0 else None)
+                upper += values[1:2]
+                lower += values[-1:]
+                ax.plot(steps, values, color=colors[mode], alpha=0.75, lw=1.2,
+                        label=f"{names[mode]} ({len(curves)} seeds)" if i == 0 else None)
         for r in runs:
             if r["optimizer"] == opt and r["kind"] == "pipeline":
-                ax.plot([s for s, v in r["val_curve"]], [v for s, v in r["val_curve"]], "k+", ms=9, mew=1.5,
-                        label=f"{names[r['mode']]}, real 2-process pipeline (seed {r['seed']})")
-        if lows:
-            finite = [v for v in lows if math.isfinite(v)]
-            ax.set_ylim(min(finite) - 0.05, min(max(finite), min(finite) + 1.5) + 0.05)
-        ax.set_title(f"{opt} (lr {report['chosen_lr'][opt]:g})")
+                ax.plot([s for s, v in r["val_curve"]], [nan if v is None else v for s, v in r["val_curve"]], "k+",
+                        ms=10, mew=1.6, label=f"{names[r['mode']]}, real 2-process pipeline (seed {r['seed']})")
+        if upper and lower:
+            ax.set_ylim(min(lower) - 0.05, max(upper) + 0.05)
+        ax.set_title(f"{opt}, lr {report['chosen_lr'][opt]:g}: validation loss")
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss (nats/byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if extra:
-        ax = axes[0][-1]
+    extra_axes = axes[len(panels):]
+    if "depth" in extras:
+        ax = extra_axes.pop(0)
         for opt, rows in report["depth"].items():
             ps = [row["stages"] for row in rows]
-            nan = float("nan")
             ax.plot(ps, [nan if row["pipedream_gap"] is None else row["pipedream_gap"] for row in rows], "o-",
-                    label=f"{opt}: PipeDream (stage s: P-1-s)")
+                    color=opt_colors[opt], label=f"{opt}: original PipeDream (stage s: P-1-s steps)")
             ax.plot(ps, [nan if row["2bw_gap"] is None else row["2bw_gap"] for row in rows], "s--",
-                    label=f"{opt}: 2BW (1 step)")
+                    color=opt_colors[opt], alpha=0.7, label=f"{opt}: 2BW (1 step, any P)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(ps, [str(p) for p in ps])
         ax.set_xlabel("pipeline stages P")
-        ax.set_ylabel("final val loss gap to sync")
-        ax.set_title("gap vs depth")
+        ax.set_ylabel("final validation loss - sync")
+        ax.set_title(f"gap vs depth (seeds {report['config']['depth_seeds']})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if "lr" in extras:
+        ax = extra_axes.pop(0)
+        for opt, rows in lr_rows.items():
+            lrs = [row["lr"] for row in rows]
+            ax.plot(lrs, [nan if row["gap"] is None else row["gap"] for row in rows], "o-", color=opt_colors[opt],
+                    label=f"{opt}: delayed - sync")
+            chosen = report["chosen_lr"][opt]
+            gap = next((row["gap"] for row in rows if row["lr"] == chosen), None)
+            if gap is not None:
+                ax.plot([chosen], [gap], "*", ms=14, color=opt_colors[opt], label=f"{opt}: lr chosen on sync")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({row["lr"] for rows in lr_rows.values() for row in rows})
+        ax.set_xticks(ticks, [f"{lr:g}" for lr in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel("final validation loss gap (delayed - sync)")
+        ax.set_title(f"gap vs learning rate (seed {report['config']['seeds'][0]})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in extra_axes:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -716,6 +747,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--in-process", action="store_true",
                    help="run the one-device runs in this process, one at a time (tests; no isolation)")
+    p.add_argument("--from-json", default=None, help="only re-render the markdown and the plot of an earlier --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -752,6 +784,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker:
         worker_main(args.worker, args.result)
         return {}
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        source = Path(args.from_json)
+        source.with_suffix(".md").write_text(markdown(report))
+        plot(report, source.with_suffix(".png"))
+        print(markdown(report), flush=True)
+        return report
     started = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -861,6 +861,46 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown_report(report: dict[str, Any]) -> str:
+    """The measured table (and the simulator check) of a saved report, as Markdown."""
+    rows = {(r["num_stages"], r["num_microbatches"]): r for r in report["ratios_vs_torch_1f1b"]}
+    lines = [
+        "| P | M | variant | tokens/s | vs torch_1f1b | paired | bubble per stage | busy ms/step per stage "
+        "| idle ms/step per stage | peak RSS MB per stage |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p, m in sorted(rows):
+        for name in [PIPELINE_VARIANTS[0], NO_BROADCAST_VARIANT, CORRECTED_VARIANT, *PIPELINE_VARIANTS[1:]]:
+            r = _find(report["results"], name, p, m)
+            if r is None:
+                continue
+            ratio = rows[(p, m)].get(name)
+            shown = f"`{name}`" + (f" ({r['threads']} threads)" if name == "single_process" else "")
+            lines.append(
+                f"| {p} | {m} | {shown} | {r['tokens_per_sec']:.0f} | "
+                f"{format(ratio['ratio'], '.2f') if ratio else '-'} | "
+                f"{format(ratio['paired_ratio'], '.2f') if ratio else '-'} | {_fmt(r['bubble_fraction'], '.2f')} | "
+                f"{_fmt(r['busy_ms_per_step'], '.0f')} | {_fmt(r['idle_ms_per_step'], '.0f')} | "
+                f"{_fmt(r['peak_rss_mb'], '.1f')} |"
+            )
+    sims = report.get("simulator") or []
+    if sims:
+        lines += [
+            "",
+            "| variant | P | M | measured tokens/s | simulated | error | schedule alone | transfer ms "
+            "| host ms between steps | per-step sync |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for sim in sims:
+            lines.append(
+                f"| `{sim['name']}` | {sim['num_stages']} | {sim['num_microbatches']} | "
+                f"{sim['measured_tokens_per_sec']:.0f} | {sim['simulated_tokens_per_sec']:.0f} | "
+                f"{100 * sim['relative_error']:+.1f}% | {sim['schedule_only_tokens_per_sec']:.0f} | "
+                f"{sim['transfer_ms']:.2f} | {_fmt(sim['step_overhead_ms'], '.1f')} | {'yes' if sim['step_sync'] else 'no'} |"
+            )
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------ entry point
 
 
@@ -883,6 +923,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is killed")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--out", type=str, default=None, help="write the JSON report here")
+    parser.add_argument("--render", type=str, default=None, metavar="JSON",
+                        help="print a saved report (text table and Markdown) instead of measuring")
     # worker-only
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stages", type=int, default=2, help=argparse.SUPPRESS)
@@ -911,6 +953,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     if args.worker is not None:
         worker(args)
         return None
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        print(format_report(report), "", markdown_report(report), sep="\n")
+        return report
     report = orchestrate(args)
     print(format_report(report), flush=True)
     if args.out:

@@ -116,6 +116,8 @@ def test_report_from_made_up_runs(bench):
     assert report["targets"]["p1_overhead"]["met"]
     text = bench.format_report(report)
     assert "oversubscribes" in text and "async_pp_2bw" in text and "P=1 overhead" in text
+    markdown = bench.markdown_report(report)
+    assert "| 2 | 4 | `async_pp_2bw` |" in markdown and "| 2 | 4 | `torch_1f1b` |" in markdown
 
 
 def test_one_real_job(bench, tmp_path):
