@@ -691,6 +691,14 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def dump_report(report: dict[str, Any]) -> str:
+    """JSON with the summaries indented and one line per run (the curves make the runs long)."""
+    head = {k: v for k, v in report.items() if k != "runs"}
+    text = json.dumps(head, indent=1)
+    runs = ",\n  ".join(json.dumps(run, separators=(",", ":")) for run in report.get("runs", []))
+    return text[:-2] + ',\n "runs": [\n  ' + runs + "\n ]\n}\n"
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -785,8 +793,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         worker_main(args.worker, args.result)
         return {}
     if args.from_json:
-        report = json.loads(Path(args.from_json).read_text())
         source = Path(args.from_json)
+        report = json.loads(source.read_text())
+        source.write_text(dump_report(report))
         source.with_suffix(".md").write_text(markdown(report))
         plot(report, source.with_suffix(".png"))
         print(markdown(report), flush=True)
@@ -907,7 +916,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["runs_from_cache"] = runner.from_cache
     report["run_seconds"] = round(sum(r["wall_s"] for r in unique.values()), 1)
     report = finite_or_none(report)
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(dump_report(report))
     table = markdown(report)
     out.with_suffix(".md").write_text(table)
     plotted = plot(report, out.with_suffix(".png"))
