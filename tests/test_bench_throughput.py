@@ -34,13 +34,13 @@ def test_defaults_and_quick(bench):
 
 
 def test_variants_that_cannot_run_are_named(bench):
-    args = bench.parse_args(["--no-with-corrected", "--no-diagnose-broadcast"])
+    args = bench.parse_args(["--no-with-corrected"])
     names, skipped = bench.variants_for(4, 2, args)
     assert "async_pp_2bw" in skipped and "torch_1f1b" in skipped
     assert names == ["async_pp_1f1b", "torch_gpipe", "single_process"]
     names, skipped = bench.variants_for(2, 4, bench.parse_args([]))
     assert not skipped and set(bench.PIPELINE_VARIANTS) <= set(names)
-    assert {bench.CORRECTED_VARIANT, bench.NO_BROADCAST_VARIANT} <= set(names)
+    assert bench.CORRECTED_VARIANT in names
 
 
 def _records(with_stats: bool):
