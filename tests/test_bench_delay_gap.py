@@ -104,3 +104,20 @@ def test_float32_newton_schulz_is_close_to_torch(bench):
     theirs = _zeropower_via_newtonschulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7).float()
     assert ours.shape == g.shape and ours.dtype == g.dtype
     assert (ours - theirs).norm() / theirs.norm() < 0.05  # bfloat16 rounding is the difference
+
+
+def test_table_tells_missing_runs_from_diverged_ones(bench):
+    def run(optimizer, mode, seed, loss):
+        return {"optimizer": optimizer, "mode": mode, "seed": seed, "kind": "main", "lr": 0.01, "final_val_loss": loss}
+
+    runs = [run("adamw", "sync", s, 2.0 + s) for s in (0, 1)] + [run("adamw", "delayed", s, 2.5 + s) for s in (0, 1)]
+    runs += [run("muon", m, s, 1.8) for m in bench.MODES for s in (0, 1)]
+    runs[-1]["final_val_loss"] = None  # muon, delayed_corrected, seed 1: diverged
+    table = bench.summarize_grid(runs, [0, 1])
+    adamw, muon = table["adamw"], table["muon"]
+    assert adamw["gap"]["mean"] == pytest.approx(0.5) and adamw["gap"]["ran"]
+    assert not adamw["delayed_corrected"]["ran"] and not adamw["gap_corrected"]["ran"]
+    assert adamw["recovered_share"] is None
+    assert bench._pm(adamw["delayed_corrected"]) == "not run" == bench._pm(adamw["gap_corrected"])
+    assert muon["delayed_corrected"]["ran"] and bench._pm(muon["delayed_corrected"]) == "diverged"
+    assert bench._pm(muon["sync"]) == "1.800 ± 0.000"

@@ -14,7 +14,7 @@ Snippets are the fenced code blocks of README.md and docs/*.md:
   quick start itself) and is not run.
 
 Code blocks of docs/api.md are docstring illustrations fenced as ``text`` and are not run; the page itself is
-checked against ``docs/make_api.py``. docs/benchmarks.md and docs/delay_gap.md (benchmark reports, whose
+checked against ``docs/make_api.py``. docs/benchmarks.md and docs/results.md (benchmark reports, whose
 commands are the benchmarks themselves) are checked for links only.
 """
 
@@ -33,7 +33,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-BENCHMARK_REPORTS = {"benchmarks.md", "delay_gap.md"}
+BENCHMARK_REPORTS = {"benchmarks.md", "results.md"}
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 RUN_PAGES = [p for p in PAGES if p.name not in BENCHMARK_REPORTS and p.name != "api.md"]
 
