@@ -171,3 +171,26 @@ def test_step_sync_costs_2bw_but_not_1f1b():
         free, synced = (simulate(build_schedule("2bw", P, M, 8), costs, 0.1, 0.2, step_sync=s) for s in (False, True))
         assert free.steady_throughput > synced.steady_throughput >= flushed[0].steady_throughput
         assert max(free.steady_bubble_fraction) < max(synced.steady_bubble_fraction)
+
+
+def test_replay_of_a_trace_gives_back_its_run(bench, tmp_path):
+    """A trace written from a simulated run replays to that run's tokens/s; a slower action in it, to less."""
+    from lightning_async_pp.pipeline.schedule import Op, build_schedule
+    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+
+    args = bench.parse_args(TINY + ["--warmup", "2", "--steps", "3"])  # batch 4 x seq 8
+    P, M = 2, 2
+    run = simulate(build_schedule("2bw", P, M, 5), [StageCosts(0.01, 0.02, 0.005), StageCosts(0.012, 0.025, 0.004)],
+                   transfer=0.001)
+    events = [{"name": str(ev.action), "ph": "X", "tid": s, "ts": 1e6 * ev.start, "dur": 1e6 * (ev.end - ev.start)}
+              for s, timeline in enumerate(run.timelines) for ev in timeline]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    updates = {ev.action.step: ev.end for ev in run.timelines[-1] if ev.action.op is Op.UPDATE}
+    expected = 4 * 8 * 3 / (updates[4] - updates[1])
+    assert bench.replay_job("async_pp_2bw", path, P, M, args, 0.001, [0.0, 0.0]) == pytest.approx(expected, rel=1e-6)
+    for e in events:
+        if e["name"] == "1B6":  # step 3, inside the timed window
+            e["dur"] += 10_000.0
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert bench.replay_job("async_pp_2bw", path, P, M, args, 0.001, [0.0, 0.0]) < expected

@@ -137,3 +137,22 @@ def test_plot_gantt_needs_matplotlib_or_draws(tmp_path):
     else:
         plot_gantt(result, tmp_path / "g.png")
         assert (tmp_path / "g.png").stat().st_size > 0
+
+
+def test_per_action_durations_override_the_stage_costs():
+    costs = StageCosts(forward=1.0, backward=2.0, update=0.5)
+    schedule = build_schedule("2bw", 2, 4, 4)
+    base = simulate(schedule, costs)
+    # Durations equal to the costs change nothing; names are the actions' own (`str(action)`).
+    same = {str(a): costs.of(a.op) for acts in schedule.stages for a in acts if a.is_compute}
+    assert "1B5" in same and simulate(schedule, costs, durations=same).makespan == pytest.approx(base.makespan)
+    # One slow backward on the last stage: its stage is the bottleneck, so everything after it shifts by the
+    # extra time, and the action itself takes exactly what it was given.
+    slow = simulate(schedule, costs, durations={"1B5": 2.0 + 3.0})
+    assert slow.makespan == pytest.approx(base.makespan + 3.0)
+    event = next(ev for ev in slow.timelines[1] if str(ev.action) == "1B5")
+    assert event.end - event.start == pytest.approx(5.0)
+    # A slow action on the stage with slack hides partly in the other's work: never more than the extra time.
+    hidden = simulate(schedule, [StageCosts(1.0, 2.0), StageCosts(1.5, 3.0)], durations={"0F6": 1.0 + 0.5})
+    loose = simulate(schedule, [StageCosts(1.0, 2.0), StageCosts(1.5, 3.0)])
+    assert loose.makespan <= hidden.makespan <= loose.makespan + 0.5

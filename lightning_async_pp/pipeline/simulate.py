@@ -24,7 +24,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -142,6 +142,7 @@ def simulate(
     transfer: float = 0.0,
     step_overhead: Sequence[float] | float = 0.0,
     step_sync: bool = False,
+    durations: Mapping[str, float] | None = None,
 ) -> SimulationResult:
     """Time ``schedule`` with the given costs.
 
@@ -161,6 +162,11 @@ def simulate(
             ``t - 1`` and its ``step_overhead``. Lightning does this with a
             blocking broadcast from rank 0 before every training step when
             ``world_size > 1``.
+        durations: seconds of individual actions, keyed by the action's name
+            (``str(action)``, e.g. ``"1B5"``: stage 1, backward of micro-batch 5),
+            overriding ``costs`` for those actions. Fed the durations of a traced
+            run, the simulator replays that run with its real, uneven costs
+            rather than their averages.
 
     Raises:
         DeadlockError: when the per-stage orders cannot all run to completion.
@@ -183,7 +189,7 @@ def simulate(
                 step_start[(s, a)] = a.step
     release: dict[int, float] = {}  # step -> when the last of the stages reaches it (step_sync)
     while True:
-        timelines, reached = _timelines(schedule, per_stage, transfer, overhead, step_start, release, comm)
+        timelines, reached = _timelines(schedule, per_stage, transfer, overhead, step_start, release, comm, durations or {})
         if not step_sync or all(release.get(t) == v for t, v in reached.items()):
             break
         # Start times only grow from one pass to the next; a few passes settle them.
@@ -226,6 +232,7 @@ def _timelines(
     step_start: dict[tuple[int, Action], int],
     release: dict[int, float],
     comm: bool,
+    durations: Mapping[str, float],
 ) -> tuple[list[list[Event]], dict[int, float]]:
     """One pass over the lists; returns the timelines and, per step, when the last of the stages reached it."""
     P = schedule.num_stages
@@ -246,7 +253,8 @@ def _timelines(
         if a.op in (Op.RECV_F, Op.RECV_B):
             start, end = clock[s], ready  # the stage sits in the receive until the data is there
         else:
-            start, end = ready, ready + per_stage[s].of(a.op)
+            cost = durations.get(str(a)) if durations else None
+            start, end = ready, ready + (per_stage[s].of(a.op) if cost is None else cost)
         if made is not None:
             arrival[made] = end + transfer
         timelines[s].append(Event(a, start, end))
