@@ -56,7 +56,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from bench_common import machine_description
 
 OPTIMIZERS = ("adamw", "muon")
 MODES = ("sync", "delayed", "delayed_corrected")
@@ -531,70 +532,71 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
+def _table(caption: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A caption and a Markdown table, as lines."""
+    return [caption, "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     seeds = cfg["seeds"]
     params = next((r["parameters"] for r in report["runs"]), 0)
-    lines = [
+
+    def percent(value: float | None, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec) + "%"
+
+    lines = _table(
         f"Final validation loss (nats/byte) after {cfg['steps']} steps of {cfg['batch_size']}x{cfg['block_size']} "
         f"bytes, {params / 1e6:.2f}M-parameter GPT, corpus {cfg['corpus']} (mean ± std over seeds {seeds}; gaps are "
         "per-seed paired differences to sync).",
-        "",
-        "| optimizer | lr | sync | delayed (2BW) | delayed + correction | gap | gap corrected | recovered | "
-        "corrected vs sync |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for opt, cell in report["table"].items():
-        share = cell["recovered_share"]
-        rel = cell["corrected_vs_sync_percent"]
-        lines.append(
-            f"| {opt} | {cell['lr']:g} | {_pm(cell['sync'])} | {_pm(cell['delayed'])} | "
-            f"{_pm(cell['delayed_corrected'])} | {_signed(cell['gap'])} | {_signed(cell['gap_corrected'])} | "
-            f"{'n/a' if share is None else f'{100 * share:.0f}%'} | {'n/a' if rel is None else f'{rel:+.2f}%'} |"
-        )
+        ["optimizer", "lr", "sync", "delayed (2BW)", "delayed + correction", "gap", "gap corrected", "recovered",
+         "corrected vs sync"],
+        [[opt, f"{cell['lr']:g}", _pm(cell["sync"]), _pm(cell["delayed"]), _pm(cell["delayed_corrected"]),
+          _signed(cell["gap"]), _signed(cell["gap_corrected"]),
+          percent(None if cell["recovered_share"] is None else 100 * cell["recovered_share"], ".0f"),
+          percent(cell["corrected_vs_sync_percent"], "+.2f")]
+         for opt, cell in report["table"].items()],
+    )
     if report.get("lr_grid"):
-        lines += ["", f"Learning-rate grid (seed {seeds[0]}; the best synchronous run decides, *):", "",
-                  "| optimizer | lr | sync | delayed | gap |", "| --- | --- | --- | --- | --- |"]
-        for opt, rows in report["lr_grid"].items():
-            for row in rows:
-                star = " *" if row["lr"] == report["chosen_lr"][opt] else ""
-                star += " (edge of the grid)" if star and report.get("chosen_lr_at_grid_edge", {}).get(opt) else ""
-                lines.append(f"| {opt} | {row['lr']:g}{star} | {_fmt(row['final_val_loss'])} | "
-                             f"{_fmt(row['delayed']) if 'delayed' in row else ''} | "
-                             f"{_fmt(row['gap'], signed=True) if 'gap' in row else ''} |")
+        edge = report.get("chosen_lr_at_grid_edge", {})
+
+        def star(opt: str, lr: float) -> str:
+            if lr != report["chosen_lr"][opt]:
+                return ""
+            return " * (edge of the grid)" if edge.get(opt) else " *"
+
+        lines += [""] + _table(
+            f"Learning-rate grid (seed {seeds[0]}; the best synchronous run decides, *):",
+            ["optimizer", "lr", "sync", "delayed", "gap"],
+            [[opt, f"{row['lr']:g}{star(opt, row['lr'])}", _fmt(row["final_val_loss"]),
+              _fmt(row["delayed"]) if "delayed" in row else "", _fmt(row["gap"], signed=True) if "gap" in row else ""]
+             for opt, rows in report["lr_grid"].items() for row in rows],
+        )
     if report.get("muon_parts"):
-        parts = report["muon_parts"]
         names = {"delayed": "everything (2BW)", "delayed_matrices_only": "only the Muon matrices",
                  "delayed_adamw_only": "only the AdamW part (embeddings, head, norms, biases)"}
-        lines += ["", f"Muon, which parameters are one step stale (seed {seeds[0]}):", "",
-                  "| delayed | final val loss | gap to sync |", "| --- | --- | --- |"]
-        for mode, row in parts.items():
-            lines.append(f"| {names[mode]} | {_fmt(row['loss'])} | {_fmt(row['gap'], signed=True)} |")
+        lines += [""] + _table(
+            f"Muon, which parameters are one step stale (seed {seeds[0]}):",
+            ["delayed", "final val loss", "gap to sync"],
+            [[names[mode], _fmt(row["loss"]), _fmt(row["gap"], signed=True)]
+             for mode, row in report["muon_parts"].items()],
+        )
     if report.get("depth"):
-        depth_seeds = cfg["depth_seeds"]
-        lines += [
-            "",
-            f"Depth: gap to sync (seeds {depth_seeds}) under the original PipeDream profile (stage s of P is P-1-s "
-            "steps stale) and under 2BW (one step for every stage, whatever P is).",
-            "",
-            "| optimizer | P | PipeDream loss | PipeDream gap | 2BW gap |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for opt, rows in report["depth"].items():
-            for row in rows:
-                lines.append(
-                    f"| {opt} | {row['stages']} | {_fmt(row['pipedream_loss'])} | "
-                    f"{_fmt(row['pipedream_gap'])} | {_fmt(row['2bw_gap'])} |"
-                )
+        lines += [""] + _table(
+            f"Depth: gap to sync (seeds {cfg['depth_seeds']}) under the original PipeDream profile (stage s of P is "
+            "P-1-s steps stale) and under 2BW (one step for every stage, whatever P is).",
+            ["optimizer", "P", "PipeDream loss", "PipeDream gap", "2BW gap"],
+            [[opt, str(row["stages"]), _fmt(row["pipedream_loss"]), _fmt(row["pipedream_gap"]), _fmt(row["2bw_gap"])]
+             for opt, rows in report["depth"].items() for row in rows],
+        )
     if report.get("momentum"):
-        lines += ["", f"Momentum (seed {cfg['momentum_seed']}; AdamW beta1, Muon momentum):", "",
-                  "| optimizer | momentum | sync | delayed | gap |", "| --- | --- | --- | --- | --- |"]
-        for opt, rows in report["momentum"].items():
-            for row in rows:
-                lines.append(
-                    f"| {opt} | {row['momentum']:g} | {_fmt(row['sync'])} | {_fmt(row['delayed'])} | "
-                    f"{_fmt(row['gap'])} |"
-                )
+        lines += [""] + _table(
+            f"Momentum (seed {cfg['momentum_seed']}; AdamW beta1, Muon momentum):",
+            ["optimizer", "momentum", "sync", "delayed", "gap"],
+            [[opt, f"{row['momentum']:g}", _fmt(row["sync"]), _fmt(row["delayed"]), _fmt(row["gap"])]
+             for opt, rows in report["momentum"].items() for row in rows],
+        )
     check = report.get("pipeline_check")
     if check:
         lines += [
@@ -707,23 +709,6 @@ def dump_report(report: dict[str, Any]) -> str:
     text = json.dumps(head, indent=1)
     runs = ",\n  ".join(json.dumps(run, separators=(",", ":")) for run in report.get("runs", []))
     return text[:-2] + ',\n "runs": [\n  ' + runs + "\n ]\n}\n"
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -909,7 +894,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "quick": args.quick, "adamw_beta2": 0.95, "muon_adjust_lr_fn": "match_rms_adamw",
         },
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else "main(" + repr(argv) + ")",
-        "machine": machine(),
+        "machine": machine_description(),
         "chosen_lr": chosen,
         "chosen_lr_at_grid_edge": edge,
         "lr_grid": summarize_lr_grid(runs),

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -66,6 +65,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from bench_common import machine_description
 
 PIPELINE_VARIANTS = ("async_pp_2bw", "async_pp_1f1b", "torch_1f1b", "torch_gpipe", "single_process")
 CORRECTED_VARIANT = "async_pp_2bw_dc"
@@ -620,23 +621,13 @@ def variants_for(num_stages: int, num_microbatches: int, args: argparse.Namespac
     return [n for n in names if n not in skipped], skipped
 
 
-def machine_description() -> dict[str, Any]:
-    import torch
-
+def machine_state() -> dict[str, Any]:
+    """The machine, and its load average now (the benchmark records it before and after the run)."""
     try:
         load = os.getloadavg()
     except OSError:
         load = None
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg": load, "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform()}
+    return dict(machine_description(), loadavg=load)
 
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
@@ -664,7 +655,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     raw: dict[tuple[str, int, int], list[dict]] = {job: [] for job in jobs}
     errors = []
     started = time.perf_counter()
-    machine_before = machine_description()
+    machine_before = machine_state()
     print(f"{len(jobs)} jobs x {args.repeats} repetitions, interleaved; load average {machine_before['loadavg']}",
           flush=True)
     for rep in range(args.repeats):
@@ -693,7 +684,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
             "threads_per_pipeline_process": 1, "optimizer": "AdamW(lr=1e-3, weight_decay=0.1)",
             "quick": args.quick,
         },
-        "machine": {"before": machine_before, "after": machine_description()},
+        "machine": {"before": machine_before, "after": machine_state()},
         "oversubscribed_stage_counts": oversubscribed,
         "skipped": skipped,
         "results": results,
