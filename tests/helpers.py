@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
@@ -62,3 +67,25 @@ def fit(model, batches, strategy="auto", ckpt_path=None, **trainer_kwargs) -> li
 
 def flat_weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` as module ``name`` (the scripts are not a package).
+
+    The benchmarks folder goes on ``sys.path`` so a script finds ``bench_common`` as it does when run, and the
+    module is registered in ``sys.modules`` while it executes (dataclasses look their module up there).
+    """
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module

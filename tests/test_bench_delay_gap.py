@@ -10,18 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "delay_gap.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("delay_gap", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield load_benchmark("delay_gap")
+    sys.modules.pop("delay_gap", None)
 
 
 TINY = [

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "optim_overhead.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("optim_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("optim_overhead")
     threads = torch.get_num_threads()
     yield module
     torch.set_num_threads(threads)

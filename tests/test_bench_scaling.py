@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from lightning_async_pp.pipeline.simulate import StageCosts, simulate
-
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "scaling.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("scaling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("scaling")
 
 
 def test_table_matches_the_bubble_model(bench):

@@ -6,23 +6,18 @@ multi-process variants run end to end in the slow test.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "throughput.py"
 TINY = ["--width", "16", "--layers", "2", "--heads", "2", "--seq", "8", "--batch-size", "4", "--warmup", "1",
         "--steps", "2"]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("throughput")
 
 
 def test_defaults_and_quick(bench):
