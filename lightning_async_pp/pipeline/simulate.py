@@ -161,7 +161,8 @@ def simulate(
             stage has reached step ``t``, i.e. finished its share of step
             ``t - 1`` and its ``step_overhead``. Lightning does this with a
             blocking broadcast from rank 0 before every training step when
-            ``world_size > 1``.
+            ``world_size > 1``; ``AsyncPipelineStrategy`` replaces it by a
+            non-blocking one, so its runs are modelled without it.
         durations: seconds of individual actions, keyed by the action's name
             (``str(action)``, e.g. ``"1B5"``: stage 1, backward of micro-batch 5),
             overriding ``costs`` for those actions. Fed the durations of a traced
