@@ -1,6 +1,5 @@
 """The strategy's single-device trajectories against independent plain-PyTorch loops."""
 
-import copy
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """Checkpoints restore the exact trajectory; damaged or mismatched checkpoints fail clearly."""
 
-import json
 
 import pytest
 import torch
