@@ -1,0 +1,63 @@
+"""The Lightning internals the strategy relies on, pinned: a Lightning upgrade that moves one fails here, in CI,
+not in a user's run. Also checks that the installed Lightning and Python are inside the bounds pyproject.toml
+declares, so the bounds are the ones the suite ran with."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+
+
+def _parameters(function) -> list[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def test_installed_versions_are_inside_the_declared_bounds():
+    requirements = {Requirement(r).name: Requirement(r) for r in PYPROJECT["dependencies"]}
+    lightning = requirements["lightning"]
+    assert any(s.operator == "<" for s in lightning.specifier), "lightning needs an upper bound: the strategy uses private APIs"
+    assert version("lightning") in lightning.specifier
+    assert version("torch").split("+")[0] in requirements["torch"].specifier
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert python in SpecifierSet(PYPROJECT["requires-python"])
+    # The benchmarks start ranks with subprocess.Popen(process_group=...), new in Python 3.11.
+    assert "3.10.99" not in SpecifierSet(PYPROJECT["requires-python"])
+
+
+def test_fabric_distributed_helpers():
+    from lightning.fabric.utilities import distributed
+
+    assert _parameters(distributed._distributed_is_initialized) == []
+    assert _parameters(distributed._get_default_process_group_backend_for_device) == ["device"]
+    assert _parameters(distributed._init_dist_connection)[:4] == [
+        "cluster_environment", "torch_distributed_backend", "global_rank", "world_size",
+    ]
+    assert _parameters(distributed._sync_ddp_if_available) == ["result", "group", "reduce_op"]
+    assert _parameters(distributed._all_gather_ddp_if_available) == ["tensor", "group", "sync_grads"]
+
+
+def test_launchers():
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    assert _parameters(_SubprocessScriptLauncher.__init__) == ["self", "cluster_environment", "num_processes", "num_nodes"]
+    assert _parameters(_MultiProcessingLauncher.__init__)[:3] == ["self", "strategy", "start_method"]
+    assert _parameters(_MultiProcessingLauncher._collect_rank_zero_results) == ["self", "trainer", "results"]
+    for launcher in (_SubprocessScriptLauncher, _MultiProcessingLauncher):
+        assert _parameters(launcher.launch)[:2] == ["self", "function"]
+
+
+def test_sigterm_broadcast_is_a_replaceable_method_called_every_step():
+    # The strategy replaces `_broadcast_sigterm_tensor` on the epoch loop by a non-blocking version; if Lightning
+    # stopped calling it through the instance, the per-step barrier would silently come back.
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert _parameters(_TrainingEpochLoop._broadcast_sigterm_tensor) == ["self"]
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
