@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_async_pp.hooks import before_optimizer_step, check_gradient_clipping_hook
 from lightning_async_pp.pipeline import schedule as schedules
 from lightning_async_pp.pipeline.contract import is_pipeline_module, require_pipeline_module, run_layers
 from lightning_async_pp.pipeline.delayed import DelayedWeights
@@ -265,6 +266,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             )
         if self.multi_process:
             require_pipeline_module(module, f"needed to cut it into {self.num_stages} stages")
+            check_gradient_clipping_hook(module)
             if self.balance == "time":  # measured in `setup`; here only the layer count
                 partition_layers(list(module.pipeline_layers()), self.num_stages, costs=None)
             else:
@@ -478,6 +480,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             forward_context=self.precision_plugin.forward_context,
             trace=self.trace_dir is not None,
             start_version=restored.get("version", 0),
+            before_update=before_optimizer_step(trainer, self.optimizers[0]),
         )
         self._runtime = runtime
         previous = restored.get("previous")

@@ -92,6 +92,9 @@ class StageRuntime:
         trace: Record the start and end time of every action.
         start_version: Weight version the parameters hold (non-zero when resuming).
         check_finite: Stop with an error naming the step and micro-batch when a loss is NaN or infinite.
+        before_update: Called once per step when the stage's gradient of that step is complete (averaged over
+            the replicas, not yet clipped), with the gradient in the parameters' ``.grad``, before the norm for
+            clipping is taken and the update applied. It may read or change the gradients in place.
     """
 
     kind: str
@@ -113,6 +116,7 @@ class StageRuntime:
     trace: bool = False
     start_version: int = 0
     check_finite: bool = True
+    before_update: Callable[[], None] | None = None
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -145,6 +149,10 @@ class StageRuntime:
         self._input_grads: dict[Key, Tensor] = {}
         self._losses: dict[int, list[Tensor]] = {}
         self._hyperparameters: dict[int, list[dict[str, Any]]] = {}
+        # Param-group keys set from outside the optimizer (a scheduler, the user): only those are versioned per
+        # step. Keys the optimizer writes itself (schedule-free's `k`, Prodigy's `d`) are its own state.
+        self._external_keys: set[str] = set()
+        self._last_seen: list[dict[str, Any]] | None = None
         self._pending: list[_PendingUpdate] = []
         self._stats: StepStats | None = None
         self.versions_used: dict[int, int] = {}  # step -> weight version its micro-batches ran on (recent steps)
@@ -162,9 +170,7 @@ class StageRuntime:
                     channel.forget_layout()  # evaluation may have sent other shapes since the last run
         start = time.perf_counter()
         self._stats = StepStats(step)
-        self._hyperparameters[step] = [
-            {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS} for group in self.optimizer.param_groups
-        ]
+        self._hyperparameters[step] = self._observe_hyperparameters()
         self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
         self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
         self.last_step = step
@@ -299,6 +305,8 @@ class StageRuntime:
             tensor.grad = None
         if self.data_group is not None:
             self._average_over_replicas(grads)
+        if self.before_update is not None:
+            self._call_before_update(grads)
         pending = _PendingUpdate(step, grads)
         if self.clip_grad_norm is not None:
             norms = [torch.linalg.vector_norm(g.float()) for g in grads.values()]
@@ -309,6 +317,15 @@ class StageRuntime:
             self._pending.append(pending)
         else:
             self._apply_update(pending)
+
+    def _call_before_update(self, grads: dict[str, Tensor]) -> None:
+        for name, param in self.params.items():
+            param.grad = grads[name]
+        self.before_update()
+        for name, param in self.params.items():
+            if param.grad is not None:  # the hook may have replaced a gradient
+                grads[name] = param.grad
+            param.grad = None
 
     def _average_over_replicas(self, grads: dict[str, Tensor]) -> None:
         tensors = list(grads.values())
@@ -347,19 +364,38 @@ class StageRuntime:
             param.grad = grad.mul_(scale.to(grad.dtype)) if scale is not None else grad
         with self._hyperparameters_of(step):
             self.optimizer.step()
+        self._last_seen = self._current_hyperparameters()
         for param in self.params.values():
             param.grad = None
         self.update_log.append((step, self.versions_used.get(step, step), step + 1))
         self.newest_version = step + 1
 
+    def _current_hyperparameters(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k not in _NOT_HYPERPARAMETERS} for g in self.optimizer.param_groups]
+
+    def _observe_hyperparameters(self) -> list[dict[str, Any]]:
+        """This step's hyperparameters; a key whose value changed since the optimizer last stepped was set from
+        outside it (by a scheduler or the user), and is versioned from now on."""
+        current = self._current_hyperparameters()
+        if self._last_seen is not None:
+            for group, seen in zip(current, self._last_seen):
+                self._external_keys.update(k for k, v in group.items() if k not in seen or not _same(v, seen[k]))
+        self._last_seen = current
+        return current
+
     @contextlib.contextmanager
     def _hyperparameters_of(self, step: int):
-        """Step ``step``'s update uses the learning rate (etc.) the trainer had set for that step."""
+        """Step ``step``'s update uses the learning rate (etc.) the trainer had set for that step.
+
+        Only keys set from outside the optimizer are swapped in and restored afterwards; what the optimizer
+        writes into its param groups during the step stays.
+        """
         saved = self._hyperparameters.pop(step, None)
         if saved is None:
             yield
             return
         groups = self.optimizer.param_groups
+        saved = [{k: v for k, v in snapshot.items() if k in self._external_keys} for snapshot in saved]
         now = [{k: group[k] for k in snapshot} for group, snapshot in zip(groups, saved)]
         for group, snapshot in zip(groups, saved):
             group.update(snapshot)
@@ -368,6 +404,17 @@ class StageRuntime:
         finally:
             for group, values in zip(groups, now):
                 group.update(values)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False  # compared by identity: reading a device tensor's value would stall the host
+    try:
+        return bool(a == b)
+    except Exception:  # values without a truth value for ==
+        return False
 
 
 def check_finite_losses(losses: Tensor, step: int, stage: int) -> None:
