@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -67,6 +69,23 @@ def fit(model, batches, strategy="auto", ckpt_path=None, **trainer_kwargs) -> li
 
 def flat_weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def run_script(command: list[str], timeout: float) -> tuple[int, str]:
+    """Run a training script (which may start more processes) in a session of its own; on timeout kill
+    every process of it and fail the test. Returns the exit status and the combined output."""
+    import pytest
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        pytest.fail(f"{Path(command[1]).name} timed out after {timeout}s:\n{output[-4000:]}")
+    return process.returncode, output
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

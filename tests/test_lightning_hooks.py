@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from torch import nn
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.pipeline.runtime import StageRuntime
-from helpers import fit, loader, random_batches, tiny_gpt
+from helpers import fit, loader, random_batches, run_script, tiny_gpt
 from stage_run import CallbackCounter, hooked_gpt
 
 RUNNER = Path(__file__).parent / "stage_run.py"
@@ -23,19 +21,10 @@ TIMEOUT = 420
 
 
 def run_scenario(out: Path, scenario: str, *extra: str, check: bool = True) -> tuple[int, str]:
-    command = [sys.executable, str(RUNNER), scenario, "--out", str(out), *extra]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"{scenario} run timed out after {TIMEOUT}s:\n{output[-4000:]}")
+    returncode, output = run_script([sys.executable, str(RUNNER), scenario, "--out", str(out), *extra], TIMEOUT)
     if check:
-        assert process.returncode == 0, output[-6000:]
-    return process.returncode, output
+        assert returncode == 0, output[-6000:]
+    return returncode, output
 
 
 class OwnKeySGD(torch.optim.SGD):

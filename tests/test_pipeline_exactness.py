@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import fit, random_batches, tiny_gpt
+from helpers import fit, random_batches, run_script, tiny_gpt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_run import make_optimizer  # noqa: E402
@@ -26,17 +26,8 @@ def run_pipeline(out: Path, devices: int, schedule: str, microbatches: int, step
         sys.executable, str(RUNNER), "--devices", str(devices), "--schedule", schedule,
         "--microbatches", str(microbatches), "--steps", str(steps), "--optimizer", optimizer, "--out", str(out), *extra,
     ]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    # A new session, so that a timeout can kill every rank the launcher started.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"pipeline run timed out after {TIMEOUT}s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    returncode, output = run_script(command, TIMEOUT)
+    assert returncode == 0, output[-6000:]
     result = json.loads((out / "losses.json").read_text())
     weights = {}
     for rank in range(devices):
