@@ -61,3 +61,12 @@ def test_sigterm_broadcast_is_a_replaceable_method_called_every_step():
 
     assert _parameters(_TrainingEpochLoop._broadcast_sigterm_tensor) == ["self"]
     assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+
+
+def test_hook_callers():
+    # A stage calls `on_before_optimizer_step` itself, through the trainer's hook callers (which set the
+    # current hook's name, so `self.log` inside the hook works).
+    from lightning.pytorch.trainer import call
+
+    assert _parameters(call._call_callback_hooks)[:2] == ["trainer", "hook_name"]
+    assert _parameters(call._call_lightning_module_hook)[:2] == ["trainer", "hook_name"]
