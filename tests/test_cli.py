@@ -111,3 +111,124 @@ def test_torchrun_drives_the_cli(tmp_path):
     assert len(curve_two) == 6
     for a, b in zip(curve_one, curve_two):
         assert abs(a - b) <= 1e-5 * abs(a), (curve_one, curve_two)
+
+
+# --- the installed console script (`async-pp`) -------------------------------------------------------------
+
+# What `pip install` put next to this interpreter: the entry point a user runs, not the module.
+CONSOLE_SCRIPT = Path(sys.executable).parent / "async-pp"
+
+TINY_MODEL = '''
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, width), nn.Linear(width, 2)])
+
+    def pipeline_layers(self):
+        return self.layers
+
+    def pipeline_inputs(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, output, batch):
+        return nn.functional.cross_entropy(output, batch[1])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TinyData(L.LightningDataModule):
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 4, generator=generator), torch.randint(0, 2, (64,), generator=generator))
+        return DataLoader(data, batch_size=8, drop_last=True)
+'''
+
+TINY_CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  strategy: {class_path: lightning_async_pp.AsyncPipelineStrategy, init_args: {num_microbatches: 2}}
+  max_steps: 2
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger: {class_path: lightning.pytorch.loggers.TensorBoardLogger, init_args: {save_dir: runs}}
+model: {class_path: tinymodel.Tiny}
+data: {class_path: tinymodel.TinyData}
+"""
+
+
+def tiny_project(folder: Path) -> Path:
+    """A user's folder: a model file and a config that names it by ``class_path``."""
+    (folder / "tinymodel.py").write_text(TINY_MODEL)
+    (folder / "config.yaml").write_text(TINY_CONFIG)
+    return folder
+
+
+def run_command(command, cwd, timeout=240):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def console_script() -> Path:
+    assert CONSOLE_SCRIPT.exists(), f"{CONSOLE_SCRIPT} is missing: install the package (`pip install -e .`)"
+    return CONSOLE_SCRIPT
+
+
+def test_console_script_exits_zero_after_success_and_prints_the_logs_once(tmp_path):
+    result = run_command([console_script(), "fit", "--config", "config.yaml"], tiny_project(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "object at 0x" not in output
+    assert output.count("TensorBoard logs:") == 1, output[-3000:]
+    assert output.count("tensorboard --logdir") == 1
+
+
+def test_console_script_exits_non_zero_when_the_run_fails(tmp_path):
+    # A batch of 8 does not split into 3 micro-batches: the run raises inside `fit`.
+    result = run_command(
+        [console_script(), "fit", "--config", "config.yaml", "--trainer.strategy.init_args.num_microbatches", "3"],
+        tiny_project(tmp_path),
+    )
+    assert result.returncode != 0
+    assert "num_microbatches" in result.stderr
+
+
+@pytest.mark.parametrize("entry", ["console script", "module"])
+def test_both_entry_points_import_a_model_from_the_current_folder(tmp_path, entry):
+    launcher = [console_script()] if entry == "console script" else [sys.executable, "-m", "lightning_async_pp"]
+    # Two stages: the second process, started by Lightning's launcher, must find the model file too.
+    result = run_command([*launcher, "fit", "--config", "config.yaml", "--trainer.devices", "2"], tiny_project(tmp_path))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "pipeline stage 1/2" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "class_path, expected",
+    [("nosuchfile.Tiny", "the folder that holds nosuchfile.py"), ("tinymodel.Tinyy", "does not define it")],
+)
+def test_an_unimportable_class_path_is_one_line_that_says_what_to_do(tmp_path, class_path, expected):
+    tiny_project(tmp_path)
+    config = tmp_path / "config.yaml"
+    config.write_text(TINY_CONFIG.replace("tinymodel.Tiny}", f"{class_path}}}"))
+    result = run_command([console_script(), "fit", "--config", "config.yaml"], tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.strip() and "Tip:" not in line]
+    assert len(errors) == 1, result.stderr
+    assert f"cannot import class_path '{class_path}'" in errors[0] and expected in errors[0], errors[0]
