@@ -216,7 +216,9 @@ def test_both_entry_points_import_a_model_from_the_current_folder(tmp_path, entr
     # Two stages: the second process, started by Lightning's launcher, must find the model file too.
     result = run_command([*launcher, "fit", "--config", "config.yaml", "--trainer.devices", "2"], tiny_project(tmp_path))
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert "pipeline stage 1/2" in result.stderr + result.stdout
+    output = result.stdout + result.stderr
+    assert "pipeline stage 1/2" in output
+    assert output.count("TensorBoard logs:") == 1, output[-3000:]  # rank 0 only, once
 
 
 @pytest.mark.parametrize(

@@ -365,3 +365,21 @@ def test_trains_inside_lightning_from_a_lightning_cli_config(tmp_path):
     assert isinstance(optimizer, DelayCorrected) and isinstance(optimizer.base_optimizer, Muon)
     assert "previous_update" in optimizer.state[model.fc.weight]
     assert not torch.equal(model.fc.weight, before)
+
+
+def test_named_parameters_reach_the_base_optimizer_with_their_names():
+    """The factory form hands ``named_parameters()`` pairs to ``base`` as they are, and the docstring says so."""
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(16, 8), "fc": torch.nn.Linear(8, 8)})
+    received = []
+
+    def base(params):
+        params = list(params)
+        received.extend(params)
+        return Muon(params, lr=0.02)
+
+    optimizer = DelayCorrected(model.named_parameters(), base=base)
+    assert [name for name, _ in received] == [name for name, _ in model.named_parameters()]
+    routed = {name: group["use_muon"] for group in optimizer.param_groups for name in group["param_names"]}
+    assert routed == {"embed.weight": False, "fc.weight": True, "fc.bias": False}
+    params_doc = DelayCorrected.__doc__.split("params:", 1)[1].split("base:", 1)[0]
+    assert "named_parameters()" in params_doc and "base optimizer" in params_doc

@@ -45,8 +45,10 @@ class DelayCorrected(Optimizer):
       ``DelayCorrected(model.parameters(), base=partial(torch.optim.AdamW, lr=1e-3), coefficient=1.0)``.
 
     Args:
-        params: The optimizer to wrap, or the parameters (anything the base optimizer accepts: tensors,
-            ``(name, tensor)`` pairs, groups) to build it from with ``base``.
+        params: The optimizer to wrap, or the parameters to build it from with ``base``: anything the base
+            optimizer accepts (tensors, ``(name, tensor)`` pairs, groups), passed to ``base`` unchanged. In
+            particular ``model.named_parameters()`` pairs reach the base optimizer with their names, so
+            :class:`~lightning_async_pp.optim.Muon` under the wrapper routes by name exactly as without it.
         base: Callable that builds the base optimizer from ``params``; in YAML, a ``class_path`` with
             ``init_args``. ``None`` means :class:`torch.optim.AdamW` with its defaults. Only with parameters,
             not with an optimizer instance.
