@@ -1,46 +1,103 @@
-"""Point-to-point tensor transfer between neighbouring stages over ``torch.distributed``.
+"""Point-to-point transfer of messages between neighbouring stages over ``torch.distributed``.
 
-Every transfer is two messages: a small header (dtype and shape) and the payload. The first header of a
-channel tells the receiver what to allocate; from then on it posts the next payload's receive ahead of
-time (:meth:`Channel.prefetch`) with the same shape, so the transfer overlaps the receiver's compute, and
-the header only confirms the shape. Pipelines therefore need a fixed micro-batch shape. Sends never
-block the sender.
+A message is a sequence of tensors (an activation, or several; the gradients that flow back). Each
+:class:`Channel` is one link between two neighbouring stages, carrying messages both ways.
+
+Layouts are negotiated, not sent with every message. The first message a channel sends after it was
+created or after :meth:`Channel.forget_layout` (a run start, an evaluation batch) is preceded by one small
+header that lists each tensor's dtype and shape; from then on only payloads travel, and the receiver
+allocates the next message's buffers from the layout it learnt, which lets it post the receive ahead of
+time. A sender whose message no longer matches the negotiated layout stops with an error that says what
+to change (pipelines need a fixed micro-batch shape).
+
+Every transfer goes through :func:`torch.distributed.batch_isend_irecv`, and a send is batched with the
+receive that follows it on the same link (``send(..., post_recv=True)``). On NCCL, point-to-point
+operations between two ranks run in posting order on one stream, and a receive queued before a send the
+peer is waiting for blocks both ranks for good; batching lets the two run together, as
+``torch.distributed.pipelining`` and Megatron-LM do. The runtime posts operations in the order
+:func:`lightning_async_pp.pipeline.schedule.posting_plan` gives, which
+:func:`lightning_async_pp.pipeline.schedule.check_transfers` proves free of deadlocks under those
+semantics. Sends never block the sender.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 MAX_DIMS = 8
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
-HEADER_TAG, PAYLOAD_TAG = 0, 1
+MAX_TENSORS = 32
+DTYPES = [
+    torch.float32, torch.bfloat16, torch.float16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+_ENTRY = 2 + MAX_DIMS  # dtype, ndim, shape
+HEADER_LEN = 1 + MAX_TENSORS * _ENTRY
+
+Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
 
-def encode_header(t: Tensor) -> Tensor:
-    if t.dim() > MAX_DIMS:
-        raise ValueError(f"Activations between stages may have at most {MAX_DIMS} dimensions, got {t.dim()}.")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"Cannot send a {t.dtype} tensor between stages; supported: {DTYPES}.")
-    header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
-    header[0], header[1] = t.dim(), DTYPES.index(t.dtype)
-    header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+def layout_of(tensors: Sequence[Tensor]) -> Layout:
+    """Dtypes and shapes of a message, refusing what a header cannot describe."""
+    if not 1 <= len(tensors) <= MAX_TENSORS:
+        raise ValueError(f"A message between stages holds 1 to {MAX_TENSORS} tensors, got {len(tensors)}.")
+    for t in tensors:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"Stages exchange tensors only, got a {type(t).__name__}.")
+        if t.dim() > MAX_DIMS:
+            raise ValueError(f"Tensors between stages may have at most {MAX_DIMS} dimensions, got {t.dim()}.")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"Cannot send a {t.dtype} tensor between stages; supported: {DTYPES}.")
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def encode_layout(layout: Layout) -> Tensor:
+    """The header describing ``layout``: a fixed-size int64 CPU tensor."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0] = len(layout)
+    for index, (dtype, shape) in enumerate(layout):
+        base = 1 + index * _ENTRY
+        header[base] = DTYPES.index(dtype)
+        header[base + 1] = len(shape)
+        header[base + 2 : base + 2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
     return header
 
 
-def decode_header(header: Tensor) -> tuple[torch.dtype, list[int]]:
-    ndim, dtype = int(header[0]), DTYPES[int(header[1])]
-    return dtype, header[2 : 2 + ndim].tolist()
+def decode_layout(header: Tensor) -> Layout:
+    values = header.tolist()
+    out = []
+    for index in range(values[0]):
+        base = 1 + index * _ENTRY
+        ndim = values[base + 1]
+        out.append((DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
+    return tuple(out)
+
+
+def describe(layout: Layout) -> str:
+    return "[" + ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for dtype, shape in layout) + "]"
+
+
+@dataclass
+class _Receive:
+    """A posted receive: either the header (layout unknown) or the payload buffers."""
+
+    header: Tensor | None
+    payload: list[Tensor] | None
+    works: list[dist.Work] = field(default_factory=list)
 
 
 class Channel:
-    """Ordered tensor stream with one peer rank, in one direction for receiving and one for sending.
+    """Ordered message stream with one peer rank, in both directions.
 
     Args:
         peer: Global rank of the neighbouring stage.
         device: Device the tensors live on (headers travel on it too, as NCCL requires).
-        group: Process group of the transfer, ``None`` for the default group.
+        group: Process group of the link, ``None`` for the default group. On NCCL give each link its own
+            two-rank group, so that each link has its own stream and ordering.
         name: Names the link in error messages, e.g. ``"stage 1 <- stage 0"``.
     """
 
@@ -51,72 +108,127 @@ class Channel:
         self.name = name or f"rank {peer}"
         self.device = device
         self.group = group
-        self._pending: tuple[Tensor, dist.Work, Tensor | None, dist.Work | None] | None = None
-        self._layout: tuple[torch.dtype, list[int]] | None = None
-        self._sends: list[tuple[list[dist.Work], tuple[Tensor, Tensor]]] = []
+        self._posted: _Receive | None = None
+        self._recv_layout: Layout | None = None
+        self._send_layout: Layout | None = None
+        self._sends: list[tuple[list[dist.Work], list[Tensor]]] = []
 
-    def send(self, tensor: Tensor) -> None:
-        """Post a non-blocking send; the tensors stay referenced until the transfer completes."""
-        tensor = tensor.detach().contiguous()
-        header = encode_header(tensor).to(self.device)
-        works = [
-            dist.isend(header, self.peer, group=self.group, tag=HEADER_TAG),
-            dist.isend(tensor, self.peer, group=self.group, tag=PAYLOAD_TAG),
-        ]
+    # --- sending -----------------------------------------------------------------------------------------
+
+    def send(self, tensors: Sequence[Tensor], post_recv: bool = False) -> None:
+        """Post a non-blocking send of one message; the tensors stay referenced until it completes.
+
+        Args:
+            tensors: The message.
+            post_recv: Also post the next receive from the peer, in the same batch (see the module docstring).
+        """
+        tensors = [t.detach().contiguous() for t in tensors]
+        layout = layout_of(tensors)
+        ops, keep = [], list(tensors)
+        if self._send_layout is None:
+            header = encode_layout(layout).to(self.device)  # once per run: not in the steady state
+            ops.append(self._op(dist.isend, header))
+            keep.append(header)
+            self._send_layout = layout
+        elif layout != self._send_layout:
+            raise RuntimeError(
+                f"The message to rank {self.peer} changed from {describe(self._send_layout)} to "
+                f"{describe(layout)} (dtype and shape of each tensor). Pipeline stages exchange fixed-shape "
+                "activations: keep every micro-batch the same shape (batch size a multiple of num_microbatches, "
+                "DataLoader(drop_last=True), fixed sequence length)."
+            )
+        ops += [self._op(dist.isend, t) for t in tensors]
+        receive = None
+        if post_recv and self._posted is None:
+            receive = self._receive_ops()
+            ops += [self._op(dist.irecv, t) for t in _buffers(receive)]
+        works = send_works = self._post(ops)
+        if receive is not None:
+            # NCCL answers one work for the whole batch, gloo one per operation; gloo's works must not be
+            # waited twice (a second wait waits for another message).
+            if len(works) == len(ops):
+                count = len(_buffers(receive))
+                send_works, receive.works = works[:-count], works[-count:]
+            else:
+                receive.works = works
+            self._posted = receive
         self._sends = [entry for entry in self._sends if not all(w.is_completed() for w in entry[0])]
-        self._sends.append((works, (header, tensor)))
+        self._sends.append((send_works, keep))
+
+    def wait_sends(self) -> None:
+        """Wait for every posted send (before the pipeline is considered empty)."""
+        for works, _ in self._sends:
+            for work in works:
+                self._wait(work)
+        self._sends.clear()
+
+    # --- receiving ---------------------------------------------------------------------------------------
 
     def prefetch(self) -> None:
-        """Post the receives of the next tensor, so the peer's send completes while we compute."""
-        if self._pending is not None:
-            return
-        header = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
-        header_work = dist.irecv(header, self.peer, group=self.group, tag=HEADER_TAG)
-        payload, payload_work = None, None
-        if self._layout is not None:
-            dtype, shape = self._layout
-            payload = torch.empty(shape, dtype=dtype, device=self.device)
-            payload_work = dist.irecv(payload, self.peer, group=self.group, tag=PAYLOAD_TAG)
-        self._pending = (header, header_work, payload, payload_work)
+        """Post the receive of the next message, so the peer's send completes while we compute."""
+        if self._posted is None:
+            receive = self._receive_ops()
+            receive.works = self._post([self._op(dist.irecv, t) for t in _buffers(receive)])
+            self._posted = receive
+
+    def recv(self) -> list[Tensor]:
+        """Wait for the next message from the peer (posting its receive first if it is not posted yet)."""
+        self.prefetch()
+        receive, self._posted = self._posted, None
+        assert receive is not None
+        if receive.header is not None:
+            for work in receive.works:
+                self._wait(work)
+            self._recv_layout = decode_layout(receive.header.cpu())  # once per run: not in the steady state
+            receive = self._receive_ops()
+            receive.works = self._post([self._op(dist.irecv, t) for t in _buffers(receive)])
+        for work in receive.works:
+            self._wait(work)
+        assert receive.payload is not None
+        return receive.payload
 
     def forget_layout(self) -> None:
-        """Read the next tensor's shape from its header (after a flush, or for evaluation batches)."""
-        assert self._pending is None, "forget_layout() while a receive is posted"
-        self._layout = None
+        """Negotiate the layout again with the next message each way (after a flush, or for evaluation).
 
-    def recv(self) -> Tensor:
-        """Wait for the next tensor from the peer."""
-        self.prefetch()
-        assert self._pending is not None
-        header, header_work, payload, payload_work = self._pending
-        self._pending = None
-        self._wait(header_work)
-        layout = decode_header(header.cpu())
-        if payload is None:
-            self._layout = layout
-            payload = torch.empty(layout[1], dtype=layout[0], device=self.device)
-            payload_work = dist.irecv(payload, self.peer, group=self.group, tag=PAYLOAD_TAG)
-        elif layout != self._layout:
-            raise RuntimeError(
-                f"The tensor from rank {self.peer} changed from {self._layout} to {layout} (dtype, shape). "
-                "Pipeline stages exchange fixed-shape activations: keep every micro-batch the same shape "
-                "(batch size a multiple of num_microbatches, DataLoader(drop_last=True), fixed sequence length)."
-            )
-        self._wait(payload_work)
-        return payload
+        Both ends of a link must call it at the same point of their message streams.
+        """
+        assert self._posted is None, "forget_layout() while a receive is posted"
+        self._recv_layout = self._send_layout = None
+
+    @property
+    def receive_posted(self) -> bool:
+        return self._posted is not None
+
+    # --- internals ---------------------------------------------------------------------------------------
+
+    def _receive_ops(self) -> _Receive:
+        if self._recv_layout is None:
+            return _Receive(torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device), None)
+        payload = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in self._recv_layout]
+        return _Receive(None, payload)
+
+    def _op(self, fn, tensor: Tensor) -> dist.P2POp:
+        return dist.P2POp(fn, tensor, self.peer, self.group)
+
+    def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as error:
+            raise self._broken(error) from error
 
     def _wait(self, work: dist.Work) -> None:
         try:
             work.wait()
         except RuntimeError as error:
-            raise RuntimeError(
-                f"Pipeline link {self.name} (rank {self.peer}) broke while waiting for data: {error}. The other "
-                "stage has most likely failed (see its error above) or hung past the strategy's `timeout`; "
-                "this process stops too."
-            ) from error
+            raise self._broken(error) from error
 
-    def wait_sends(self) -> None:
-        for works, _ in self._sends:
-            for work in works:
-                work.wait()
-        self._sends.clear()
+    def _broken(self, error: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"Pipeline link {self.name} (rank {self.peer}) broke while waiting for data: {error}. The other "
+            "stage has most likely failed (see its error above) or hung past the strategy's `timeout`; "
+            "this process stops too."
+        )
+
+
+def _buffers(receive: _Receive) -> list[Tensor]:
+    return [receive.header] if receive.header is not None else list(receive.payload or [])

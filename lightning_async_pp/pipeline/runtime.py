@@ -33,12 +33,31 @@ from torch.optim import Optimizer
 
 from lightning_async_pp.pipeline.comm import Channel
 from lightning_async_pp.pipeline.microbatch import split_microbatches
-from lightning_async_pp.pipeline.schedule import Action, Op, drain_actions, step_actions, validate, weight_version
+from lightning_async_pp.pipeline.schedule import (
+    Action,
+    Op,
+    drain_actions,
+    posting_plan,
+    step_actions,
+    validate,
+    weight_version,
+)
 
 Key = tuple[int, int]  # (step, micro-batch)
 _RECEIVES = (Op.RECV_F, Op.RECV_B)
 _TIMED = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.RECV_F: "wait", Op.RECV_B: "wait", Op.UPDATE: "update"}
 _NOT_HYPERPARAMETERS = ("params", "param_names")
+
+
+def _pack(value: Tensor) -> list[Tensor]:
+    """The message that carries a layer output (or its gradient) to the neighbouring stage."""
+    return [value]
+
+
+def _unpack(message: list[Tensor]) -> Tensor:
+    """The layer input (or output gradient) a message carries."""
+    (value,) = message
+    return value
 
 
 @dataclass
@@ -91,10 +110,14 @@ class StageRuntime:
         forward_context: Context manager factory around forwards (e.g. autocast).
         trace: Record the start and end time of every action.
         start_version: Weight version the parameters hold (non-zero when resuming).
-        check_finite: Stop with an error naming the step and micro-batch when a loss is NaN or infinite.
         before_update: Called once per step when the stage's gradient of that step is complete (averaged over
             the replicas, not yet clipped), with the gradient in the parameters' ``.grad``, before the norm for
             clipping is taken and the update applied. It may read or change the gradients in place.
+        check_finite: Stop with an error naming the step and micro-batch when a loss is NaN or infinite. The
+            check never waits for the device: each step's flag is copied to the host without blocking and
+            read once the device is done with that step, at the latest two steps later and at every
+            :meth:`drain` (so before any validation, checkpoint or the end of training). See
+            :class:`FiniteCheck`.
     """
 
     kind: str
@@ -148,6 +171,7 @@ class StageRuntime:
         self._received: dict[Key, Tensor] = {}
         self._input_grads: dict[Key, Tensor] = {}
         self._losses: dict[int, list[Tensor]] = {}
+        self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
         self._hyperparameters: dict[int, list[dict[str, Any]]] = {}
         # Param-group keys set from outside the optimizer (a scheduler, the user): only those are versioned per
         # step. Keys the optimizer writes itself (schedule-free's `k`, Prodigy's `d`) are its own state.
@@ -163,6 +187,7 @@ class StageRuntime:
 
     def run_step(self, step: int, batch: Any) -> tuple[Tensor | None, StepStats]:
         """Execute this stage's share of ``step``. Returns the step's mean loss (last stage) and timings."""
+        self._read_finite_checks(wait_beyond=2)
         if self.run_start is None:
             self.run_start = step
             for channel in (self.prev, self.next):
@@ -180,7 +205,7 @@ class StageRuntime:
         if self.is_last:
             losses = torch.stack(self._losses.pop(step))
             if self.check_finite:
-                check_finite_losses(losses, step, self.stage)
+                self._finite_checks.append(FiniteCheck(losses, step, self.stage))
             loss = losses.mean()
         stats, self._stats = self._stats, None
         stats.wall = time.perf_counter() - start
@@ -199,19 +224,21 @@ class StageRuntime:
         for channel in (self.prev, self.next):
             if channel is not None:
                 channel.wait_sends()
+        self._read_finite_checks(wait_beyond=0)
         self.run_start = None
         self._hyperparameters.clear()
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> Tensor | None:
         """Forward one batch through the stage on the newest weights; returns the output on the last stage."""
-        if not self.is_first:
-            self.prev.forget_layout()  # evaluation batches may differ in size (the last one often does)
-        x = self.inputs_fn(batch) if self.is_first else self.prev.recv()
+        for channel in (self.prev, self.next):
+            if channel is not None:
+                channel.forget_layout()  # evaluation batches may differ in size (the last one often does)
+        x = self.inputs_fn(batch) if self.is_first else _unpack(self.prev.recv())
         with self.forward_context():
             y = self.module(x)
         if not self.is_last:
-            self.next.send(y)
+            self.next.send(_pack(y))
             return None
         return y
 
@@ -226,20 +253,24 @@ class StageRuntime:
             for name, tensor in self.buffers[index].items():
                 tensor.copy_(state[name])
 
+    def _read_finite_checks(self, wait_beyond: int) -> None:
+        """Raise for a non-finite loss the device has reported; wait for flags older than ``wait_beyond`` steps."""
+        checks = self._finite_checks
+        while checks and (len(checks) > wait_beyond or checks[0].ready()):
+            checks.popleft().raise_if_not_finite()
+
     # --- the interpreter -------------------------------------------------------------------------------
 
     def _execute(self, actions: list[Action]) -> None:
-        # Each link's next receive is posted as soon as the previous one completed, so the transfer runs
-        # while this stage computes; never past the segment's last receive, so nothing stays posted.
-        last_recv = {a.op: i for i, a in enumerate(actions) if a.op in _RECEIVES}
-        for op in last_recv:
+        # Receives are posted ahead of the compute that needs them, but never ahead of an earlier send on
+        # their link (see `posting_plan`: that order cannot deadlock on NCCL), and never past the segment.
+        plan = posting_plan(actions)
+        for op in plan.start:
             self._channel(op).prefetch()
         stats = self._stats
         for index, action in enumerate(actions):
             begin = time.perf_counter()
-            self._run(action)
-            if action.op in _RECEIVES and index < last_recv[action.op]:
-                self._channel(action.op).prefetch()
+            self._run(action, plan.post_next[index])
             end = time.perf_counter()
             if stats is not None and action.op in _TIMED:
                 setattr(stats, _TIMED[action.op], getattr(stats, _TIMED[action.op]) + end - begin)
@@ -249,7 +280,7 @@ class StageRuntime:
     def _channel(self, op: Op) -> Channel:
         return self.prev if op in (Op.RECV_F, Op.SEND_B) else self.next
 
-    def _run(self, a: Action) -> None:
+    def _run(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
         op = a.op
         if op is Op.FORWARD:
@@ -257,13 +288,15 @@ class StageRuntime:
         elif op is Op.BACKWARD:
             self._backward(key)
         elif op is Op.RECV_F:
-            self._received[key] = self.prev.recv()
+            self._received[key] = _unpack(self.prev.recv())
         elif op is Op.RECV_B:
-            self._input_grads[key] = self.next.recv()
+            self._input_grads[key] = _unpack(self.next.recv())
         elif op is Op.SEND_F:
-            self.next.send(self._inflight[key][1])
+            self.next.send(_pack(self._inflight[key][1]), post_recv=post_next)
         elif op is Op.SEND_B:
-            self.prev.send(self._input_grads.pop(key))
+            self.prev.send(_pack(self._input_grads.pop(key)), post_recv=post_next)
+        if post_next and op in _RECEIVES:
+            self._channel(op).prefetch()
         elif op is Op.UPDATE:
             self._start_update(a.step)
 
@@ -415,6 +448,39 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # values without a truth value for ==
         return False
+
+
+class FiniteCheck:
+    """Whether one step's losses are all finite, learnt without making the host wait for the device.
+
+    The flag is computed on the device and copied into host memory (pinned on CUDA) without blocking;
+    :meth:`ready` asks a CUDA event whether the copy has landed, and :meth:`raise_if_not_finite` waits for it
+    (a no-op once ready) and raises :func:`check_finite_losses`'s error if a loss was NaN or infinite.
+
+    Args:
+        losses: The step's per-micro-batch losses (on the stage's device).
+        step: The step, for the error message.
+        stage: The stage that computed them, for the error message.
+    """
+
+    def __init__(self, losses: Tensor, step: int, stage: int) -> None:
+        self.losses, self.step, self.stage = losses, step, stage
+        not_finite = ~torch.isfinite(losses).all()
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=losses.is_cuda)
+        self._host.copy_(not_finite, non_blocking=True)
+        self._event = None
+        if losses.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def raise_if_not_finite(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        if self._host.numpy():  # host memory: reading it is not a device synchronization
+            check_finite_losses(self.losses, self.step, self.stage)
 
 
 def check_finite_losses(losses: Tensor, step: int, stage: int) -> None:

@@ -43,6 +43,7 @@ global micro-batch is ``step * M + microbatch`` and ``op`` is the short code of
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,12 +52,17 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Op",
+    "PostingPlan",
     "Schedule",
     "StageFootprint",
     "build_schedule",
     "check",
+    "check_transfers",
     "drain_actions",
+    "evaluation_actions",
+    "host_program",
     "liveness_trace",
+    "posting_plan",
     "stage_footprint",
     "step_actions",
     "validate",
@@ -686,3 +692,204 @@ def check(schedule: Schedule) -> None:
     for s in range(schedule.num_stages):
         _check_stage(schedule, s)
     _check_cross_stage(schedule)
+
+
+# --------------------------------------------------------------------------- transfers (NCCL semantics)
+
+_PREV_LINK = (Op.RECV_F, Op.SEND_B)  # operations on the link with stage - 1
+_NEXT_LINK = (Op.SEND_F, Op.RECV_B)  # operations on the link with stage + 1
+_RECEIVES = (Op.RECV_F, Op.RECV_B)
+
+
+@dataclass(frozen=True)
+class PostingPlan:
+    """When a stage posts the receives of one segment of actions (sends are posted at their action).
+
+    Args:
+        start: receive ops (``RECV_F`` for the link with the previous stage, ``RECV_B`` for the next one)
+            whose link's first receive is posted when the segment starts.
+        post_next: per action: post the next receive of the action's link with it, batched with the send
+            (a ``SEND_*``) or right after the receive completed (a ``RECV_*``).
+    """
+
+    start: frozenset[Op]
+    post_next: tuple[bool, ...]
+
+
+def posting_plan(actions: Sequence[Action], eager: bool = False) -> PostingPlan:
+    """How :class:`~lightning_async_pp.pipeline.runtime.StageRuntime` posts the transfers of ``actions``.
+
+    Each receive is posted as early as possible without overtaking an earlier operation of its link: at
+    the segment start when it is its link's first operation, batched with the send right before it on
+    its link, or right after the receive right before it on its link completed. Per link, operations are
+    therefore posted in the schedule's order, and the transfer overlaps the compute in between.
+
+    Args:
+        actions: one segment of one stage (:func:`step_actions`, :func:`drain_actions` or an evaluation).
+        eager: the plan before transfers were batched: each link's first receive posted at the segment
+            start and each next one as soon as the previous one completed, ahead of sends. On NCCL it
+            deadlocks (:func:`check_transfers` shows it); kept to test the model.
+    """
+    post_next = [False] * len(actions)
+    start: set[Op] = set()
+    for link in (_PREV_LINK, _NEXT_LINK):
+        positions = [k for k, a in enumerate(actions) if a.op in link]
+        receives = [k for k in positions if actions[k].op in _RECEIVES]
+        if not receives:
+            continue
+        start.add(actions[receives[0]].op)
+        if eager:
+            for k in receives[:-1]:
+                post_next[k] = True
+            continue
+        if receives[0] != positions[0]:
+            start.discard(actions[receives[0]].op)
+        for before, k in zip(positions, positions[1:]):
+            if actions[k].op in _RECEIVES:
+                post_next[before] = True
+    return PostingPlan(frozenset(start), tuple(post_next))
+
+
+def evaluation_actions(num_stages: int, stage: int, index: int) -> list[Action]:
+    """What ``stage`` does for one evaluation batch (``index`` numbers them; rendered as step ``-1-index``)."""
+    _check_position(num_stages, stage, 0, 0)
+    step = -1 - index
+    out = []
+    if stage > 0:
+        out.append(Action(stage, Op.RECV_F, step, 0, 0))
+    out.append(Action(stage, Op.FORWARD, step, 0, 0))
+    if stage < num_stages - 1:
+        out.append(Action(stage, Op.SEND_F, step, 0, 0))
+    return out
+
+
+# A transfer operation in the model: (role "S"/"R", link (lower stage, upper stage), message), the message
+# being (direction "F"/"B", step, micro-batch).
+_TransferOp = tuple[str, tuple[int, int], tuple[str, int, int]]
+
+
+def _transfer_op(a: Action, role: str | None = None) -> _TransferOp:
+    peer = a.peer
+    assert peer is not None
+    forward = a.op in (Op.SEND_F, Op.RECV_F)
+    if role is None:
+        role = "S" if a.op in (Op.SEND_F, Op.SEND_B) else "R"
+    return (role, (min(a.stage, peer), max(a.stage, peer)), ("F" if forward else "B", a.step, a.microbatch))
+
+
+def host_program(segments: Iterable[Sequence[Action]], eager: bool = False) -> list[tuple]:
+    """What one stage's host does with transfers, segment after segment, under :func:`posting_plan`.
+
+    Items are ``("post", ops)`` (one :func:`torch.distributed.batch_isend_irecv` call) and
+    ``("wait", op)`` (waiting for a receive before the compute that needs it). A wait on NCCL does not
+    block the host but orders the compute stream behind the transfer, and every later send or receive
+    is ordered behind that compute, so blocking the host at the wait models the same dependencies.
+    """
+    items: list[tuple] = []
+    for actions in segments:
+        plan = posting_plan(actions, eager)
+        pending = {op: [a for a in actions if a.op is op] for op in _RECEIVES}
+        posted: dict[Op, _TransferOp] = {}
+
+        def next_receive(op: Op) -> list[_TransferOp]:
+            if op in posted or not pending[op]:
+                return []
+            posted[op] = _transfer_op(pending[op].pop(0))
+            return [posted[op]]
+
+        for op in sorted(plan.start):
+            items.append(("post", tuple(next_receive(op))))
+        for k, a in enumerate(actions):
+            if not a.is_comm:
+                continue
+            receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
+            if a.op in _RECEIVES:
+                if a.op not in posted:
+                    items.append(("post", tuple(next_receive(a.op))))
+                expected = _transfer_op(a)
+                if posted.pop(a.op) != expected:
+                    raise AssertionError(f"stage {a.stage}: receives posted out of order at {a}")
+                items.append(("wait", expected))
+                if plan.post_next[k] and (more := next_receive(receive_op)):
+                    items.append(("post", tuple(more)))
+            else:
+                batch = [_transfer_op(a)]
+                if plan.post_next[k]:
+                    batch += next_receive(receive_op)
+                items.append(("post", tuple(batch)))
+        if posted:
+            raise AssertionError(f"receives {sorted(posted.values())} stay posted after the segment")
+    return items
+
+
+def check_transfers(programs: Sequence[Sequence[tuple]], rendezvous: bool = True, per_link: bool = True) -> None:
+    """Run the stages' :func:`host_program` against each other under NCCL's point-to-point semantics.
+
+    Model: each stage posts batches on a queue per link (``per_link=False``: one queue per stage, as
+    when all links share one communicator); a queue starts its next batch only once the previous one has
+    completed, and a batch completes when each of its operations has. A receive completes once the
+    peer's matching send has started (its batch is at the head of the peer's queue); with ``rendezvous``
+    a send also waits for the matching receive to start (large NCCL messages do), otherwise it completes
+    as soon as it starts. A stage's host blocks at a wait until the receive's batch has completed.
+
+    Raises ``AssertionError`` naming where each stage is stuck if the programs deadlock, or if anything
+    is left posted at the end.
+    """
+    P = len(programs)
+    pc = [0] * P
+    queues: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+    where: dict[tuple, tuple] = {}  # (stage, op) -> its batch
+    done: set[tuple] = set()  # (stage, op) completed
+    finished: set[int] = set()  # ids of completed batches
+
+    def queue_of(stage: int, op: _TransferOp) -> tuple:
+        return (stage, op[1]) if per_link else (stage,)
+
+    def peer_of(stage: int, op: _TransferOp) -> tuple[int, _TransferOp]:
+        low, high = op[1]
+        return (high if stage == low else low), ("R" if op[0] == "S" else "S", op[1], op[2])
+
+    def started(stage: int, op: _TransferOp) -> bool:
+        batch = where.get((stage, op))
+        return batch is not None and (queues[queue_of(stage, op)] or [None])[0] is batch
+
+    progress = True
+    while progress:
+        progress = False
+        for s in range(P):
+            while pc[s] < len(programs[s]):
+                kind, arg = programs[s][pc[s]]
+                if kind == "post":
+                    if not arg:
+                        pc[s] += 1
+                        continue
+                    batch = (id(arg), s, arg)
+                    keys = {queue_of(s, op) for op in arg}
+                    if len(keys) != 1:
+                        raise AssertionError(f"stage {s}: one batch spans several queues: {arg}")
+                    queues[keys.pop()].append(batch)
+                    for op in arg:
+                        where[(s, op)] = batch
+                elif id(where[(s, arg)]) not in finished:
+                    break
+                pc[s] += 1
+                progress = True
+        for key, queue in list(queues.items()):
+            while queue:
+                batch = queue[0]
+                s, ops = batch[1], batch[2]
+                for op in ops:
+                    if (s, op) in done:
+                        continue
+                    peer, match = peer_of(s, op)
+                    if (op[0] == "S" and not rendezvous) or started(peer, match) or (peer, match) in done:
+                        done.add((s, op))
+                if not all((s, op) in done for op in ops):
+                    break
+                queue.popleft()
+                finished.add(id(batch))
+                progress = True
+    stuck = [f"stage {s} waits at {programs[s][pc[s]]}" for s in range(P) if pc[s] < len(programs[s])]
+    left = [f"stage {b[1]} has {b[2]} posted" for q in queues.values() for b in q]
+    if stuck or left:
+        _fail("transfers deadlock: " + "; ".join((stuck + left)[:6]))
