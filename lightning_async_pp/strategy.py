@@ -44,6 +44,7 @@ from lightning_async_pp.pipeline.placement import keep_only_layers, materialize,
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats, check_finite_losses
 from lightning_async_pp.pipeline.stats import StatsRelay
 from lightning_async_pp.resume import ResumableLoader
+from lightning_async_pp.routing import report_routing
 
 # A child of Lightning's logger, so each rank's placement line is shown with Lightning's own messages.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
@@ -328,6 +329,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         elif self.num_microbatches > 1 and not is_pipeline_module(module):
             require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            report_routing(self, self.optimizers)
         if self.multi_process and trainer.state.fn == TrainerFn.FITTING:
             self._runtime = self._build_runtime(trainer)
             self._install_sigterm_check(trainer)

@@ -10,7 +10,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_async_pp.demos import GPT
@@ -108,3 +109,57 @@ def load_benchmark(name: str) -> ModuleType:
         sys.modules.pop(name, None)
         raise
     return module
+
+
+class ConvClassifier(LightningModule):
+    """A small convolutional classifier (``dims=1``: Conv1d on sequences, ``dims=2``: Conv2d on images),
+    pipeline-ready: two conv layers and a head (mean over positions, then a linear layer named ``head``)."""
+
+    def __init__(self, dims: int = 1, channels: int = 8, classes: int = 4, optimizer=None) -> None:
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d}[dims]
+        self.dims, self.optimizer = dims, optimizer
+        self.layers = nn.ModuleList([
+            nn.Sequential(conv(2, channels, 3, padding=1), nn.GELU()),
+            nn.Sequential(conv(channels, channels, 3, padding=1), nn.GELU()),
+            _MeanHead(channels, classes),
+        ])
+
+    def pipeline_layers(self):
+        return self.layers
+
+    def pipeline_inputs(self, batch):
+        return batch[0]
+
+    def pipeline_loss(self, output, batch):
+        return nn.functional.cross_entropy(output, batch[1])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def configure_optimizers(self):
+        return self.optimizer(self.named_parameters())
+
+
+class _MeanHead(nn.Module):
+    def __init__(self, channels: int, classes: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        return self.head(x.flatten(2).mean(dim=2))
+
+
+def conv_batches(num_batches: int, dims: int = 1, batch_size: int = 8, seed: int = 0):
+    """Random inputs (2 channels, length 16 or 8 x 8) and labels for :class:`ConvClassifier`."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (16,) if dims == 1 else (8, 8)
+    return [
+        (torch.randn(batch_size, 2, *shape, generator=generator), torch.randint(0, 4, (batch_size,), generator=generator))
+        for _ in range(num_batches)
+    ]

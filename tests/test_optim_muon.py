@@ -159,8 +159,10 @@ def test_forcing_muon_on_a_non_matrix_raises_with_the_name():
     params = tiny_params()
     with pytest.raises(ValueError, match=r"'blocks.0.ln.weight'.*shape \(8,\).*use_muon=False"):
         Muon([{"params": [("blocks.0.ln.weight", params["blocks.0.ln.weight"])], "use_muon": True}])
-    with pytest.raises(ValueError, match=r"index 1 .*shape \(2, 3, 4\)"):
-        Muon([{"params": [params["embed.weight"], torch.nn.Parameter(torch.zeros(2, 3, 4))], "use_muon": True}])
+    with pytest.raises(ValueError, match=r"index 1 .*shape \(5,\)"):
+        Muon([{"params": [params["embed.weight"], torch.nn.Parameter(torch.zeros(5))], "use_muon": True}])
+    # A kernel may be forced onto Muon: it is updated as its matrix.
+    Muon([{"params": [torch.nn.Parameter(torch.zeros(2, 3, 4))], "use_muon": True}])
 
 
 def test_empty_muon_part_still_steps_like_adamw():
@@ -312,3 +314,148 @@ def test_add_param_group_routes_new_parameters():
     assert optimizer._muon.param_groups == optimizer.param_groups[0::2]
     run(params, optimizer, range(1))
     assert len(optimizer.state) == len(params)
+
+
+# --- convolution kernels -------------------------------------------------------------------------------------
+
+
+def conv_params(seed: int = 0) -> dict[str, torch.nn.Parameter]:
+    """A Conv1d and a Conv2d kernel (with biases) and a head matrix."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"conv1.weight": (6, 3, 5), "conv1.bias": (6,), "conv2.weight": (4, 6, 3, 3), "conv2.bias": (4,),
+              "fc.weight": (3, 4)}
+    return {name: torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.3) for name, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_conv_kernels_get_muon_on_their_flattened_matrix(adjust_lr_fn):
+    """Each kernel follows torch.optim.Muon run on the (out_channels, in_channels x kernel) matrix."""
+    params = conv_params()
+    ours = Muon(params.items(), **ours_kwargs(adjust_lr_fn=adjust_lr_fn))
+    routed = {g["use_muon"]: g["param_names"] for g in ours.param_groups}
+    assert routed[True] == ["conv1.weight", "conv2.weight", "fc.weight"]
+    matrices = {n: torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()) for n, p in params.items() if p.ndim >= 2}
+    reference = torch.optim.Muon(matrices.values(), **MUON_KWARGS, adjust_lr_fn=adjust_lr_fn)
+    for step in range(4):
+        set_grads(params.values(), step)
+        for name, matrix in matrices.items():
+            matrix.grad = params[name].grad.reshape(matrix.shape).clone()
+        before = {n: params[n].detach().clone() for n in matrices}
+        ours.step()
+        reference.step()
+        for name, matrix in matrices.items():
+            kernel = params[name]
+            assert kernel.shape != matrix.shape or kernel.ndim == 2
+            torch.testing.assert_close(kernel.detach().reshape(matrix.shape), matrix.detach(), atol=1e-6, rtol=0)
+            # The update, weight decay taken out, is orthogonalized: singular values near 1 (Newton-Schulz
+            # with these coefficients lands in about [0.5, 1.5]), not those of the raw momentum.
+            lr = MUON_KWARGS["lr"]
+            decayed = before[name] * (1 - lr * MUON_KWARGS["weight_decay"])
+            update = (decayed - kernel.detach()).reshape(matrix.shape)
+            singular = torch.linalg.svdvals(update / update.norm() * min(update.shape) ** 0.5)
+            assert singular.min() > 0.4 and singular.max() < 1.6, (name, singular)
+    assert ours.state[params["conv2.weight"]]["momentum_buffer"].shape == params["conv2.weight"].shape
+
+
+def test_channels_last_kernels_match_contiguous_ones():
+    contiguous, channels_last = conv_params(), conv_params()
+    kernel = channels_last["conv2.weight"]
+    kernel.data = kernel.data.contiguous(memory_format=torch.channels_last)
+    assert not kernel.is_contiguous()
+    first, second = Muon(contiguous.items(), **ours_kwargs()), Muon(channels_last.items(), **ours_kwargs())
+    for step in range(3):
+        set_grads(contiguous.values(), step)
+        set_grads(channels_last.values(), step)
+        first.step()
+        second.step()
+    for name in contiguous:
+        torch.testing.assert_close(channels_last[name], contiguous[name], atol=1e-6, rtol=0)
+    assert not torch.equal(contiguous["conv2.weight"], conv_params()["conv2.weight"])
+
+
+def test_muon_kernels_false_keeps_kernels_on_adamw():
+    params = conv_params()
+    ours = Muon(params.items(), **ours_kwargs(muon_kernels=False))
+    routed = {g["use_muon"]: g["param_names"] for g in ours.param_groups}
+    assert routed[True] == ["fc.weight"]
+    ref = clone_params(params)
+    reference = torch.optim.AdamW([p for n, p in ref.items() if n != "fc.weight"], **ADAMW_KWARGS)
+    for step in range(3):
+        set_grads([p for n, p in params.items()], step)
+        set_grads([p for n, p in ref.items()], step)
+        ours.step()
+        reference.step()
+    for name in ("conv1.weight", "conv2.weight", "conv1.bias"):
+        torch.testing.assert_close(params[name], ref[name], atol=1e-6, rtol=0)
+
+
+def test_tokens_of_more_than_two_dims_with_one_row_stay_on_adamw():
+    # A ViT's cls_token (1, 1, D) or pos_embed (1, N, D) is not a kernel, even without a matching name.
+    params = [("cls", torch.nn.Parameter(torch.zeros(1, 1, 8))), ("conv.weight", torch.nn.Parameter(torch.zeros(4, 2, 3)))]
+    names = {g["use_muon"]: g["param_names"] for g in Muon(params).param_groups}
+    assert names == {True: ["conv.weight"], False: ["cls"]}
+
+
+def test_kernel_state_dict_round_trip_continues_bitwise():
+    params = conv_params()
+    optimizer = Muon(params.items(), **ours_kwargs())
+    run(params, optimizer, range(2))
+    saved_params = {n: p.detach().clone() for n, p in params.items()}
+    state = copy.deepcopy(optimizer.state_dict())
+    run(params, optimizer, range(2, 4))
+    restored = {n: torch.nn.Parameter(p.clone()) for n, p in saved_params.items()}
+    again = Muon(restored.items(), **ours_kwargs())
+    again.load_state_dict(state)
+    run(restored, again, range(2, 4))
+    for name in params:
+        assert torch.equal(params[name], restored[name]), name
+
+
+# --- routing by module type, and what the routing says -------------------------------------------------------
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(10, 8)
+        self.blocks = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Conv1d(8, 8, 3), torch.nn.LayerNorm(8))
+        self.classifier = torch.nn.Linear(8, 3)
+
+
+def test_routing_by_module_type_and_name():
+    net = _Net()
+    for modules in ([torch.nn.Embedding], ["torch.nn.Embedding"], "torch.nn.Embedding"):
+        optimizer = Muon(net, adamw_modules=modules, adamw_patterns=["classifier.*"])
+        names = {g["use_muon"]: g["param_names"] for g in optimizer.param_groups}
+        assert names[True] == ["blocks.0.weight", "blocks.1.weight"]
+        assert names[False][:1] == ["tok.weight"] and "classifier.weight" in names[False]
+    # Without the type rule the embedding's name does not match a default pattern ("tok" only as "*tok.*").
+    assert "tok.weight" in Muon(net, adamw_patterns=[]).param_groups[0]["param_names"]
+
+
+def test_routing_by_module_type_needs_the_module():
+    net = _Net()
+    with pytest.raises(TypeError, match=r"Muon\(model, \.\.\.\)"):
+        Muon(net.named_parameters(), adamw_modules=[torch.nn.Embedding])
+    with pytest.raises(TypeError, match="cannot be imported"):
+        Muon(net, adamw_modules=["torch.nn.Embeding"])
+    with pytest.raises(TypeError, match="nn.Module classes"):
+        Muon(net, adamw_modules=["torch.optim.AdamW"])
+
+
+def test_describe_routing_counts_both_parts_and_names_matrices_on_adamw():
+    net = _Net()
+    optimizer = Muon(net, adamw_modules=[torch.nn.Embedding], adamw_patterns=["classifier.*"])
+    routing = optimizer.routing()
+    muon_numel = net.blocks[0].weight.numel() + net.blocks[1].weight.numel()
+    assert routing["muon_tensors"] == 2 and routing["muon_numel"] == muon_numel and routing["muon_kernels"] == 1
+    assert routing["adamw_numel"] == sum(p.numel() for p in net.parameters()) - muon_numel
+    assert routing["adamw_matrices"] == ["tok.weight", "classifier.weight"]
+    line = optimizer.describe_routing()
+    assert line.startswith(f"Muon 2 tensors ({muon_numel:,} parameters, 1 conv kernels as matrices), AdamW")
+    assert line.endswith("matrices on AdamW: tok.weight, classifier.weight")
+    # Unnamed tensors are numbered over all of the optimizer's parameters.
+    plain = Muon([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, 3))], muon_kernels=False)
+    assert plain.routing()["muon_tensors"] == 1
+    forced = Muon([{"params": [torch.nn.Parameter(torch.zeros(3, 3))], "use_muon": False}])
+    assert forced.routing()["adamw_matrices"] == ["#0"]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import importlib
+from collections.abc import Iterable, MutableMapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
@@ -25,6 +26,77 @@ token/position embeddings and output heads in the usual naming schemes (nanoGPT,
 project's demo GPT)."""
 
 
+def _module_class(entry: str | type) -> type:
+    """A module class from itself or its import path (as YAML gives it)."""
+    cls = entry
+    if isinstance(entry, str):
+        module_name, _, class_name = entry.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise TypeError(
+                f"`adamw_modules` entry {entry!r} cannot be imported ({error}); give a module class or its full"
+                " import path, e.g. 'torch.nn.Embedding'."
+            ) from error
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"`adamw_modules` entries must be nn.Module classes, got {entry!r}.")
+    return cls
+
+
+def _as_matrix(tensor: Tensor) -> Tensor:
+    """A kernel (more than 2 dims) as the (out_channels, in_channels x kernel) matrix Muon orthogonalizes."""
+    return tensor if tensor.ndim == 2 else tensor.view(tensor.shape[0], -1)
+
+
+class _MatrixMuon(torch.optim.Muon):
+    """:class:`torch.optim.Muon`, whose step also takes kernels: each one is updated as its matrix
+    ``(shape[0], -1)``, a view of the parameter, its gradient and its momentum buffer, as Muon's reference
+    implementation does for convolution filters. The learning-rate adjustment then sees the matrix shape.
+    2-D parameters go through torch's code unchanged."""
+
+    def _init_group(
+        self,
+        group: MutableMapping,
+        params_with_grad: list[Tensor],
+        grads: list[Tensor],
+        muon_momentum_bufs: list[Tensor],
+    ) -> bool:
+        kernels = [p for p in group["params"] if p.grad is not None and p.ndim > 2]
+        if not kernels:
+            return super()._init_group(group, params_with_grad, grads, muon_momentum_bufs)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.ndim == 2:
+                super()._init_group({"params": [p]}, params_with_grad, grads, muon_momentum_bufs)
+                continue
+            if torch.is_complex(p) or p.grad.is_sparse:
+                raise RuntimeError("Muon supports neither complex parameters nor sparse gradients")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            elif not state["momentum_buffer"].is_contiguous():
+                state["momentum_buffer"] = state["momentum_buffer"].contiguous()
+            if p.is_contiguous():
+                params_with_grad.append(_as_matrix(p))
+            else:  # e.g. channels_last: update a contiguous copy, written back after the step
+                flat = p.contiguous()
+                self._write_back.append((p, flat))
+                params_with_grad.append(_as_matrix(flat))
+            grads.append(p.grad.reshape(p.shape[0], -1))
+            muon_momentum_bufs.append(_as_matrix(state["momentum_buffer"]))
+        return False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._write_back: list[tuple[Tensor, Tensor]] = []
+        loss = super().step(closure)
+        for param, flat in self._write_back:
+            param.copy_(flat)
+        self._write_back = []
+        return loss
+
+
 def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
     # torch optimizers refuse an empty parameter list but accept an empty group. Dropping that group
     # leaves an optimizer whose groups are exactly the ones `Muon` hands to it, and whose constructor
@@ -35,30 +107,39 @@ def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
 
 
 class Muon(Optimizer):
-    r"""Muon on 2-D hidden weight matrices and AdamW on all other parameters, as a single optimizer.
+    r"""Muon on hidden weight matrices and convolution kernels, AdamW on all other parameters, as one optimizer.
 
     Muon (`Jordan et al., 2024 <https://kellerjordan.github.io/posts/muon/>`_) replaces each matrix update
-    by an orthogonalized Nesterov momentum (Newton-Schulz iteration). It only makes sense for the weight
-    matrices of hidden layers; embeddings, the output head, norms and biases are optimized with AdamW. The
-    matrix math is :class:`torch.optim.Muon`'s and the rest is :class:`torch.optim.AdamW`'s: this class
-    holds one of each, and their ``param_groups`` are the very dicts in :attr:`param_groups`, each tagged with
-    ``use_muon``. Learning-rate schedulers, which edit ``param_groups[i]["lr"]``, therefore act on both parts;
-    the AdamW groups start from ``adamw_lr``, so a multiplicative schedule scales both parts alike.
+    by an orthogonalized Nesterov momentum (Newton-Schulz iteration). It only makes sense for the weights of
+    hidden layers; embeddings, the output layer, norms and biases are optimized with AdamW. The matrix math is
+    :class:`torch.optim.Muon`'s and the rest is :class:`torch.optim.AdamW`'s: this class holds one of each,
+    and their ``param_groups`` are the very dicts in :attr:`param_groups`, each tagged with ``use_muon``.
+    Learning-rate schedulers, which edit ``param_groups[i]["lr"]``, therefore act on both parts; the AdamW
+    groups start from ``adamw_lr``, so a multiplicative schedule scales both parts alike.
 
-    Routing of parameters:
+    A convolution kernel (a tensor of more than 2 dims, e.g. ``(out_channels, in_channels, k)``) is updated
+    as the matrix ``(out_channels, in_channels x k)``, the way Muon's reference implementation treats conv
+    filters: parameter, gradient and momentum are reshaped into that matrix for :class:`torch.optim.Muon`'s
+    step and the update lands in the kernel. ``muon_kernels=False`` keeps kernels on AdamW.
 
-    * plain tensors: 2-D tensors go to Muon, all others to AdamW;
-    * ``named_parameters()`` pairs: as above, except that names matching one of ``adamw_patterns``
-      (:func:`fnmatch.fnmatchcase` on the full dotted name) go to AdamW;
-    * parameter-group dicts: ``"use_muon": True`` / ``False`` decides for the whole group; without that key
-      the group is split as above. Other keys of a group (``"lr"``, ``"weight_decay"``, ...) override the
-      defaults of whichever part its parameters land in.
+    Routing, for each parameter (first rule that applies):
 
-    A part may be empty, e.g. on a pipeline stage that holds only the embedding.
+    1. in a parameter-group dict with ``"use_muon": True`` / ``False``: that part;
+    2. fewer than 2 dims (biases, norms): AdamW;
+    3. more than 2 dims: AdamW if ``muon_kernels`` is off or its first dim is 1 (a token or position
+       embedding such as a ViT's ``cls_token``, not a kernel);
+    4. its name matches one of ``adamw_patterns`` (:func:`fnmatch.fnmatchcase` on the full dotted name;
+       needs names: ``named_parameters()`` pairs or a module): AdamW;
+    5. the module that holds it is an instance of one of ``adamw_modules`` (needs ``params`` to be the
+       module): AdamW;
+    6. otherwise Muon.
+
+    A part may be empty, e.g. on a pipeline stage that holds only the embedding. :meth:`describe_routing`
+    says in one line where the parameters went.
 
     Args:
-        params: Tensors, ``(name, tensor)`` pairs (e.g. ``module.named_parameters()``) or parameter-group
-            dicts.
+        params: Tensors, ``(name, tensor)`` pairs (e.g. ``module.named_parameters()``), parameter-group dicts,
+            or a module (routed as its ``named_parameters()``, and by module type with ``adamw_modules``).
         lr: Muon learning rate, before :class:`torch.optim.Muon`'s shape adjustment (see ``adjust_lr_fn``).
         weight_decay: Decoupled weight decay of the Muon part.
         momentum: Muon momentum.
@@ -69,25 +150,32 @@ class Muon(Optimizer):
         adjust_lr_fn: ``None`` or ``"original"`` scales the learning rate by
             :math:`\sqrt{\max(1, \text{rows}/\text{cols})}`; ``"match_rms_adamw"`` by
             :math:`0.2\sqrt{\max(\text{rows}, \text{cols})}`, which lets Muon reuse an AdamW learning rate.
+            Kernels count as their matrix ``(out_channels, in_channels x kernel)``.
         adamw_lr: Learning rate of the AdamW part.
         adamw_betas: AdamW's ``(beta1, beta2)``.
         adamw_eps: AdamW's ``eps``.
         adamw_weight_decay: Decoupled weight decay of the AdamW part.
-        adamw_patterns: ``fnmatch`` patterns of parameter names that go to AdamW although they are 2-D. Only
-            used for named parameters in groups without ``use_muon``.
+        adamw_patterns: ``fnmatch`` patterns of parameter names that go to AdamW although they are matrices.
+            Only used for named parameters in groups without ``use_muon``.
+        adamw_modules: Module classes, or their import paths (``"torch.nn.Embedding"``), whose own parameters
+            go to AdamW although they are matrices. Only used when ``params`` is a module.
+        muon_kernels: Whether convolution kernels get Muon (flattened to matrices) or AdamW.
 
     Raises:
         ValueError: If a hyperparameter is out of range, if a group with ``"use_muon": True`` contains a
-            parameter that is not 2-D, or if the parameter list is empty.
+            parameter with fewer than 2 dims, or if the parameter list is empty.
+        TypeError: If ``adamw_modules`` is given without a module to look the types up in, or names something
+            that is not a module class.
 
     Example::
 
         optimizer = Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
+        optimizer = Muon(model, lr=0.02, adamw_modules=[nn.Embedding], adamw_patterns=["classifier.*"])
     """
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]],
+        params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]] | nn.Module,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -101,12 +189,29 @@ class Muon(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.1,
         adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS,
+        adamw_modules: Sequence[str | type] = (),
+        muon_kernels: bool = True,
     ) -> None:
         if isinstance(adamw_patterns, str):
             raise TypeError(f"`adamw_patterns` must be a sequence of patterns, got the string {adamw_patterns!r}.")
+        if isinstance(adamw_modules, (str, type)):
+            adamw_modules = [adamw_modules]
         self.adamw_patterns = tuple(adamw_patterns)
+        self.adamw_modules = tuple(_module_class(entry) for entry in adamw_modules)
+        self.muon_kernels = bool(muon_kernels)
+        # Which module holds each parameter, for `adamw_modules`; only known when given the module.
+        self._holder: dict[Tensor, nn.Module] = {}
+        if isinstance(params, nn.Module):
+            self._holder = {p: m for m in params.modules() for p in m.parameters(recurse=False)}
+            params = params.named_parameters()
+        elif self.adamw_modules:
+            raise TypeError(
+                "`adamw_modules` routes parameters by the type of the module that holds them, so Muon needs the "
+                "module itself: pass `Muon(model, ...)` (in a LightningModule, `optimizer(self)`) instead of its "
+                "parameters, or route by name with `adamw_patterns`."
+            )
         self._muon = _empty_optimizer(
-            torch.optim.Muon,
+            _MatrixMuon,
             lr=lr,
             weight_decay=weight_decay,
             momentum=momentum,
@@ -127,6 +232,7 @@ class Muon(Optimizer):
             "adamw_weight_decay": adamw_weight_decay,
         }
         super().__init__(params, defaults)
+        self._holder = {}  # routing is done; keep no second reference to the modules
         self._share_with_parts()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -134,10 +240,10 @@ class Muon(Optimizer):
 
         Args:
             param_group: ``{"params": ..., **options}``. ``"use_muon"`` (``True``/``False``) sends all its
-                parameters to one part; without it they are routed by shape and name.
+                parameters to one part; without it they are routed by the rules of the class docstring.
 
         Raises:
-            ValueError: If ``"use_muon"`` is ``True`` and a parameter is not 2-D.
+            ValueError: If ``"use_muon"`` is ``True`` and a parameter has fewer than 2 dims.
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
@@ -160,12 +266,12 @@ class Muon(Optimizer):
         elif use_muon:
             for index, param in enumerate(params):
                 name, tensor = param if isinstance(param, tuple) else (None, param)
-                if tensor.ndim != 2:
+                if tensor.ndim < 2:
                     label = repr(name) if name is not None else f"at index {index} of its group"
                     raise ValueError(
-                        f"Muon only updates 2-D weight matrices, but the parameter {label} has shape"
-                        f" {tuple(tensor.shape)} and is in a group with `use_muon=True`. Move it to a group with"
-                        " `use_muon=False` (AdamW), or drop `use_muon` from the group to route by shape."
+                        f"Muon only updates weight matrices and kernels (2 or more dims), but the parameter {label}"
+                        f" has shape {tuple(tensor.shape)} and is in a group with `use_muon=True`. Move it to a"
+                        " group with `use_muon=False` (AdamW), or drop `use_muon` from the group to route by shape."
                     )
             muon_params, adamw_params = params, []
         else:
@@ -185,9 +291,48 @@ class Muon(Optimizer):
 
     def _routes_to_muon(self, param: Tensor | tuple[str, Tensor]) -> bool:
         name, tensor = param if isinstance(param, tuple) else (None, param)
-        if tensor.ndim != 2:
+        if tensor.ndim < 2:
             return False
-        return name is None or not any(fnmatchcase(name, pattern) for pattern in self.adamw_patterns)
+        if tensor.ndim > 2 and (not self.muon_kernels or tensor.shape[0] == 1):
+            return False
+        if name is not None and any(fnmatchcase(name, pattern) for pattern in self.adamw_patterns):
+            return False
+        holder = self._holder.get(tensor)
+        return not (holder is not None and isinstance(holder, self.adamw_modules))
+
+    def routing(self) -> dict[str, Any]:
+        """Where the parameters went: per part the number of tensors and of elements, the number of kernels
+        on Muon, and the names of the matrices and kernels on AdamW (``"#i"`` for unnamed tensors, ``i``
+        counting over all of this optimizer's parameters)."""
+        out: dict[str, Any] = {"muon_tensors": 0, "muon_numel": 0, "muon_kernels": 0, "adamw_tensors": 0,
+                               "adamw_numel": 0, "adamw_matrices": []}
+        index = 0
+        for group in self.param_groups:
+            names = group.get("param_names", [None] * len(group["params"]))
+            part = "muon" if group["use_muon"] else "adamw"
+            for name, tensor in zip(names, group["params"]):
+                out[f"{part}_tensors"] += 1
+                out[f"{part}_numel"] += tensor.numel()
+                if tensor.ndim > 2 and group["use_muon"]:
+                    out["muon_kernels"] += 1
+                if tensor.ndim >= 2 and not group["use_muon"]:
+                    out["adamw_matrices"].append(name if name is not None else f"#{index}")
+                index += 1
+        return out
+
+    def describe_routing(self) -> str:
+        """One line: how many tensors and parameters each part holds, and which matrices went to AdamW.
+
+        Example: ``Muon 4 tensors (12,288 parameters, 2 conv kernels as matrices), AdamW 6 tensors (1,034
+        parameters); matrices on AdamW: head.weight``.
+        """
+        r = self.routing()
+        kernels = f", {r['muon_kernels']} conv kernels as matrices" if r["muon_kernels"] else ""
+        matrices = ", ".join(r["adamw_matrices"]) or "none"
+        return (
+            f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{kernels}), AdamW {r['adamw_tensors']}"
+            f" tensors ({r['adamw_numel']:,} parameters); matrices on AdamW: {matrices}"
+        )
 
     def _check_disjoint_and_naming(self, group: dict[str, Any]) -> None:
         # Each part checks its own groups; these checks span both parts, as torch does for one optimizer.
@@ -221,6 +366,9 @@ class Muon(Optimizer):
         return {
             **super().__getstate__(),
             "adamw_patterns": self.adamw_patterns,
+            "adamw_modules": self.adamw_modules,
+            "muon_kernels": self.muon_kernels,
+            "_holder": {},
             "_muon": self._muon,
             "_adamw": self._adamw,
         }
