@@ -118,45 +118,26 @@ def test_torchrun_drives_the_cli(tmp_path):
 # What `pip install` put next to this interpreter: the entry point a user runs, not the module.
 CONSOLE_SCRIPT = Path(sys.executable).parent / "async-pp"
 
-TINY_MODEL = '''
+# A user's model file: the test suite's small conv classifier, defined in a module of the current folder.
+TINY_MODEL = f"""
+import sys
+
 import lightning as L
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from helpers import ConvClassifier, conv_batches, loader
 
 
-class Tiny(L.LightningModule):
-    def __init__(self, width: int = 8):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, width), nn.Linear(width, 2)])
-
-    def pipeline_layers(self):
-        return self.layers
-
-    def pipeline_inputs(self, batch):
-        return batch[0]
-
-    def pipeline_loss(self, output, batch):
-        return nn.functional.cross_entropy(output, batch[1])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def training_step(self, batch, batch_idx):
-        return self.pipeline_loss(self(batch[0]), batch)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+class Tiny(ConvClassifier):
+    def __init__(self, channels: int = 8):
+        super().__init__(channels=channels, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
 
 
 class TinyData(L.LightningDataModule):
     def train_dataloader(self):
-        generator = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(64, 4, generator=generator), torch.randint(0, 2, (64,), generator=generator))
-        return DataLoader(data, batch_size=8, drop_last=True)
-'''
+        return loader(conv_batches(8))
+"""
 
 TINY_CONFIG = """
 seed_everything: 0
