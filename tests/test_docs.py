@@ -10,6 +10,9 @@ Snippets are the fenced code blocks of README.md and docs/*.md:
   the repository's ``examples/`` and ``docs/``;
 * ``yaml`` blocks must parse; those that name a ``model`` ``class_path`` must also pass ``LightningCLI``'s
   own validation (``fit --print_config``);
+* a block preceded by ``<!-- test: file NAME -->`` is a file the page asks the reader to save: it is written as
+  ``NAME`` into the folder where the page's ``bash`` blocks run and its ``yaml`` blocks are validated (there,
+  a ``class_path`` may name it), and is otherwise tested like any block of its language;
 * a block preceded by ``<!-- skip-test -->`` is illustrative (launch commands, multi-node, multi-GPU, the
   quick start itself) and is not run.
 
@@ -38,12 +41,15 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 RUN_PAGES = [p for p in PAGES if p.name not in BENCHMARK_REPORTS and p.name != "api.md"]
 
 FENCE = re.compile(r"^```(\w*)\s*$")
-MARKER = re.compile(r"^<!--\s*(skip-test|test:\s*script(?P<args>[^>]*?))\s*-->$")
+MARKER = re.compile(r"^<!--\s*(skip-test|test:\s*script(?P<args>[^>]*?)|test:\s*file\s+(?P<file>[\w.\-]+))\s*-->$")
 
 
 class Block:
-    def __init__(self, page: Path, line: int, lang: str, code: str, marker: str | None, args: str) -> None:
+    def __init__(
+        self, page: Path, line: int, lang: str, code: str, marker: str | None, args: str, file: str | None = None
+    ) -> None:
         self.page, self.line, self.lang, self.code, self.marker, self.args = page, line, lang, code, marker, args
+        self.file = file
 
     @property
     def skipped(self) -> bool:
@@ -51,7 +57,7 @@ class Block:
 
     @property
     def script(self) -> bool:
-        return self.marker is not None and self.marker.startswith("test:")
+        return self.marker is not None and re.match(r"test:\s*script", self.marker) is not None
 
     def __repr__(self) -> str:
         return f"{self.page.relative_to(ROOT)}:{self.line} ({self.lang})"
@@ -78,7 +84,7 @@ def blocks(page: Path) -> list[Block]:
         marker = MARKER.match(previous)
         out.append(
             Block(page, start + 1, lang, "\n".join(body) + "\n", marker.group(1) if marker else None,
-                  (marker.group("args") or "").strip() if marker else "")
+                  (marker.group("args") or "").strip() if marker else "", marker.group("file") if marker else None)
         )
         previous = ""
         i += 1
@@ -91,9 +97,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _workdir(tmp_path: Path) -> Path:
+def _workdir(tmp_path: Path, page: Path | None = None) -> Path:
     for name in ("examples", "docs"):
         (tmp_path / name).symlink_to(ROOT / name)
+    for block in blocks(page) if page is not None else []:
+        if block.file is not None:
+            (tmp_path / block.file).write_text(block.code)
     return tmp_path
 
 
@@ -125,7 +134,7 @@ def test_bash_snippets_run(page, tmp_path):
     code_blocks = [b for b in blocks(page) if b.lang in ("bash", "sh", "shell") and not b.skipped]
     if not code_blocks:
         pytest.skip(f"{page.name} has no runnable shell snippets")
-    work = _workdir(tmp_path)
+    work = _workdir(tmp_path, page)
     for block in code_blocks:
         result = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", block.code], cwd=work, env=_env(), capture_output=True, text=True,
@@ -135,12 +144,21 @@ def test_bash_snippets_run(page, tmp_path):
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: p.name)
-def test_yaml_snippets_are_valid_configs(page, tmp_path):
+def test_yaml_snippets_are_valid_configs(page, tmp_path, monkeypatch):
     from lightning_async_pp.cli import main
 
     code_blocks = [b for b in blocks(page) if b.lang in ("yaml", "yml") and not b.skipped]
     if not code_blocks:
         pytest.skip(f"{page.name} has no yaml snippets")
+    # A config may name a model file the page has the reader save; the CLI imports it from the current folder.
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(_workdir(work, page))
+    monkeypatch.syspath_prepend(str(work))
+    for block in blocks(page):
+        if block.file is not None and block.file.endswith(".py"):
+            monkeypatch.setitem(sys.modules, block.file[:-3], None)  # restored (removed) after the test
+            del sys.modules[block.file[:-3]]
     for block in code_blocks:
         config = yaml.safe_load(block.code)
         assert isinstance(config, dict), block
