@@ -30,6 +30,7 @@ SKIP_MODULES = {f"{PACKAGE}.__main__"}
 ORDER = [
     PACKAGE,
     f"{PACKAGE}.strategy",
+    f"{PACKAGE}.module",
     f"{PACKAGE}.pipeline.contract",
     f"{PACKAGE}.optim",
     f"{PACKAGE}.optim.muon",

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 
 
 class Residual(nn.Module):
@@ -25,7 +25,7 @@ class Residual(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
-class ResidualMLP(L.LightningModule):
+class ResidualMLP(PipelineModule):
     def __init__(self, in_features: int = 32, dim: int = 128, depth: int = 6, classes: int = 10, lr: float = 1e-3):
         super().__init__()
         self.save_hyperparameters()
@@ -45,17 +45,8 @@ class ResidualMLP(L.LightningModule):
     def pipeline_loss(self, output, batch):
         return F.cross_entropy(output, batch[1])
 
-    # Without the strategy (or on one device with num_microbatches=1) Lightning uses these as usual.
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def training_step(self, batch, batch_idx):
-        loss = self.pipeline_loss(self(batch[0]), batch)
-        self.log("train/loss", loss)
-        return loss
-
+    # PipelineModule derives forward, training_step, validation_step, ... from the three methods above, so
+    # the same module also trains without the strategy (strategy="ddp", or one device).
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 

@@ -5,10 +5,11 @@ Importing the package registers the strategy, so ``Trainer(strategy="async_pp")`
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_async_pp.module import PipelineModule
 from lightning_async_pp.strategy import AsyncPipelineStrategy
 
 __version__ = "0.1.0"
-__all__ = ["AsyncPipelineStrategy", "__version__"]
+__all__ = ["AsyncPipelineStrategy", "PipelineModule", "__version__"]
 
 # `override=True` keeps registration idempotent, also across `importlib.reload`.
 StrategyRegistry.register(

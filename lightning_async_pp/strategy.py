@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import warnings
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,10 +36,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_async_pp.hooks import before_optimizer_step, check_gradient_clipping_hook
+from lightning_async_pp.metrics import MetricsRelay, reduce_decision
+from lightning_async_pp.module import pipeline_evaluation_step
 from lightning_async_pp.pipeline import schedule as schedules
 from lightning_async_pp.pipeline.contract import is_pipeline_module, require_pipeline_module, run_layers
 from lightning_async_pp.pipeline.delayed import DelayedWeights
-from lightning_async_pp.pipeline.microbatch import split_microbatches
+from lightning_async_pp.pipeline.microbatch import auto_num_microbatches, batch_size_of, split_microbatches
 from lightning_async_pp.pipeline.partition import count_parameters
 from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats, check_finite_losses
@@ -51,6 +54,8 @@ log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 
 SCHEDULES = schedules.SCHEDULES
 CHECKPOINT_KEY = "async_pp"
+# Steps of per-stage statistics rank 0 keeps in `stage_stats` (older ones are dropped; the logger has them).
+STAGE_STATS_HISTORY = 1000
 
 
 class AsyncPipelineStrategy(ParallelStrategy):
@@ -79,7 +84,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         schedule: ``"2bw"`` (asynchronous, one-step delay) or ``"1f1b"`` (synchronous).
         num_microbatches: Micro-batches each batch is split into (along its first dimension). Their
             gradients are averaged, so the update equals the full-batch one. The batch size must be a
-            multiple of it; ``"2bw"`` needs at least as many micro-batches as stages.
+            multiple of it; ``"2bw"`` needs at least as many micro-batches as stages. ``"auto"``: the smallest
+            number that is at least the number of stages and divides the batch size, chosen at the first
+            training batch and logged on rank 0 (1 on one device).
         pipeline_parallel_size: Stages per pipeline ``P``. ``None`` makes every process a stage of one pipeline;
             otherwise the ``devices * num_nodes`` processes form ``D = processes / P`` replicas of the pipeline
             (data parallelism), each reading its own shard of the data, whose stages average their gradients
@@ -109,7 +116,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def __init__(
         self,
         schedule: str = "2bw",
-        num_microbatches: int = 1,
+        num_microbatches: int | Literal["auto"] = "auto",
         pipeline_parallel_size: int | None = None,
         split_points: Sequence[int] | None = None,
         balance: Literal["parameters", "time"] | Sequence[float] = "parameters",
@@ -134,14 +141,18 @@ class AsyncPipelineStrategy(ParallelStrategy):
             raise ValueError(
                 f"Unknown pipeline schedule {schedule!r}. Set `schedule` to one of {', '.join(map(repr, SCHEDULES))}."
             )
-        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"`num_microbatches` must be a positive integer, got {num_microbatches!r}.")
+        if num_microbatches != "auto" and (
+            isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
+        ):
+            raise ValueError(f"`num_microbatches` must be a positive integer or 'auto', got {num_microbatches!r}.")
         if not (balance in ("parameters", "time") or (not isinstance(balance, str) and len(balance) > 0)):
             raise ValueError(f"`balance` must be 'parameters', 'time' or a list of per-layer costs, got {balance!r}.")
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"`start_method` must be 'popen' or 'spawn', got {start_method!r}.")
         self.schedule = schedule
-        self.num_microbatches = num_microbatches
+        # With "auto", one per stage until the first training batch shows the batch size.
+        self.auto_microbatches = num_microbatches == "auto"
+        self.num_microbatches: int = 1 if num_microbatches == "auto" else num_microbatches
         if pipeline_parallel_size is not None and (
             isinstance(pipeline_parallel_size, bool) or not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1
         ):
@@ -159,12 +170,14 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._restored: dict[str, Any] | None = None
         self._runtime: StageRuntime | None = None
         self._relay: StatsRelay | None = None
+        self._metrics: MetricsRelay | None = None
         self._finish_sigterm_check: Callable[[], None] | None = None
         self._steps_run = 0
         self._pending_stage_stats: dict[int, dict[int, StepStats]] = {}
         self.stage_layers: range | None = None
-        self.stage_stats: dict[int, list[StepStats]] = {}
-        """On global rank 0: every stage's :class:`StepStats`, per stage, in step order."""
+        self.stage_stats: dict[int, deque[StepStats]] = {}
+        """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps, per
+        stage, in step order."""
 
     # --- processes and placement ---------------------------------------------------------------------
 
@@ -239,6 +252,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"hold whole pipelines of pipeline_parallel_size={self.num_stages}. Use a number of processes that "
                 f"is a multiple of {self.num_stages}, or change `pipeline_parallel_size`."
             )
+        if self.auto_microbatches:
+            self.num_microbatches = self.num_stages
         schedules.validate(self.schedule, self.num_stages, self.num_microbatches)
         if not self.multi_process:
             self._launcher = None
@@ -326,6 +341,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         if self.multi_process:
             self._create_groups()
             self._place_stage(module)
+            self._metrics.attach(trainer)
         elif self.num_microbatches > 1 and not is_pipeline_module(module):
             require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
         super().setup(trainer)
@@ -358,6 +374,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         stats_group = dist.new_group(stats_ranks, backend="gloo")
         peers = [r for r in stats_ranks if r != 0]
         self._relay = StatsRelay(self.global_rank, peers, stats_group)
+        # What the last stage logs reaches the other stages of its replica (see lightning_async_pp.metrics).
+        pipelines = [[self.rank_of(s, replica) for s in range(P)] for replica in range(D)]
+        self._metrics = MetricsRelay.for_pipelines(pipelines, self.global_rank, self.root_device)
         self._steps_run = 0
 
     def _install_sigterm_check(self, trainer: Trainer) -> None:
@@ -411,6 +430,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         return self.broadcast(costs, src=0)
 
     def _place_stage(self, module: LightningModule) -> None:
+        if getattr(self, "_placed_module", None) is module:
+            return  # cut by an earlier fit/validate/test of this Trainer: the other stages' layers are gone
+        self._placed_module = module
         layers = list(module.pipeline_layers())
         ranges = self.layer_partition(module)
         owner = [stage for stage, r in enumerate(ranges) for _ in r]
@@ -504,6 +526,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
+        if self.auto_microbatches:
+            self._choose_num_microbatches(batch)
         if self._runtime is not None:
             loss, stats = self._runtime.run_step(self.lightning_module.trainer.global_step, batch)
             self._steps_run += 1
@@ -529,12 +553,31 @@ class AsyncPipelineStrategy(ParallelStrategy):
         module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
+    def _choose_num_microbatches(self, batch: Any) -> None:
+        """``num_microbatches="auto"``: the smallest valid number for this batch size, once, on every rank alike."""
+        size = batch_size_of(batch)
+        count = auto_num_microbatches(size, self.num_stages)
+        self.auto_microbatches = False
+        self.num_microbatches = count
+        if self._runtime is not None:
+            self._runtime.num_microbatches = count
+        if self.is_global_zero:
+            log.info(
+                f"num_microbatches='auto': {count} micro-batches of {size // count} samples, the smallest number that "
+                f"is at least the {self.num_stages} pipeline stage(s) and divides the batch size {size}"
+            )
+
     def _stage_of_rank(self, rank: int) -> int:
         return self.num_stages - 1 - rank // self.data_parallel_size
 
     def _record_stats(self, stage: int, stats: StepStats) -> None:
-        """Rank 0: keep and log one stage's record; once all stages reported a step, log the mean bubble."""
-        self.stage_stats.setdefault(stage, []).append(stats)
+        """Rank 0: keep one stage's record and, every ``log_every_n_steps`` steps, log it; once all stages
+        reported a logged step, log the mean bubble."""
+        self.stage_stats.setdefault(stage, deque(maxlen=STAGE_STATS_HISTORY)).append(stats)
+        trainer = self.lightning_module.trainer
+        every = trainer.log_every_n_steps
+        if not trainer.loggers or every == 0 or (stats.step + 1) % every != 0:
+            return  # the steps Lightning logs `train/loss` at
         prefix = f"pipeline/stage{stage}"
         metrics = {
             f"{prefix}/bubble_fraction": stats.bubble_fraction,
@@ -549,7 +592,6 @@ class AsyncPipelineStrategy(ParallelStrategy):
         if len(step_records) == self.num_stages:
             del self._pending_stage_stats[stats.step]
             metrics["pipeline/bubble_fraction"] = sum(r.bubble_fraction for r in step_records.values()) / self.num_stages
-        trainer = self.lightning_module.trainer
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=stats.step)
 
@@ -639,19 +681,30 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.multi_process:
             return super().validation_step(*args, **kwargs)
-        module = self.lightning_module
+        return self._stage_evaluation_step("validation", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.multi_process:
+            return super().test_step(*args, **kwargs)
+        return self._stage_evaluation_step("test", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.multi_process:
+            return super().predict_step(*args, **kwargs)
+        return self._stage_evaluation_step("predict", args, kwargs)
+
+    def _stage_evaluation_step(self, kind: str, args: tuple, kwargs: dict) -> Any:
+        # The batch goes through the stages; the last stage hands the output to the module's
+        # `pipeline_{kind}_step` and returns what it returns, the other stages return None.
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
         runtime = self._runtime or self._evaluation_runtime()
         output = runtime.evaluate(batch)
         if output is None:
             return None
-        hook = getattr(module, "pipeline_validation_step", None)
-        if callable(hook):
-            return hook(output, batch, batch_idx)
-        loss = module.pipeline_loss(output, batch)
-        module.log("val/loss", loss, prog_bar=True)
-        return loss
+        return pipeline_evaluation_step(self.lightning_module, kind, output, batch, batch_idx)
 
     def _evaluation_runtime(self) -> StageRuntime:
         # Validation or testing outside of fit: a runtime without optimizer, used only for forwards.
@@ -806,9 +859,26 @@ class AsyncPipelineStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor) and _distributed_is_initialized():
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Reduce over ``group``; by default over the replicas of this process's stage.
+
+        ``self.log(..., sync_dist=True)`` calls this on the ranks that log, which in a pipeline are the last
+        stages only: a reduction over all ranks would wait forever for the other stages.
+        """
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        if group is None and self.multi_process:
+            if self.data_parallel_size == 1:
+                return tensor
+            group = getattr(self, "_groups", {}).get("data")
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """``all``/``any`` of ``decision`` over the last stages, which hold the metrics callbacks decide on; the
+        other stages (holding relayed copies) join the collective without a vote."""
+        if not self.multi_process or not _distributed_is_initialized():
+            return decision
+        return reduce_decision(decision, all, votes=self.stage == self.num_stages - 1, device=self.root_device)
 
     @override
     def barrier(self, name: str | None = None) -> None:

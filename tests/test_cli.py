@@ -40,7 +40,7 @@ def test_quickstart_logs_every_step(tmp_path):
     logged = scalars(log_dir)
     train_steps = [event.step for event in logged["train/loss"]]
     assert train_steps == list(range(6))
-    for tag in ("lr", "train/tokens_per_sec"):
+    for tag in ("train/lr", "train/tokens_per_sec"):
         assert len(logged[tag]) == 6, tag
     assert all(event.value > 0 for event in logged["train/tokens_per_sec"])
     assert len(logged["val/loss"]) == 2
@@ -73,19 +73,20 @@ def test_optimizer_overlays_build_the_named_optimizers():
     from lightning_async_pp.cli import AsyncPipelineCLI
     from lightning_async_pp.optim import DelayCorrected, Muon
 
-    expected = {"adamw.yaml": ("AdamW", None), "muon.yaml": ("Muon", None),
+    # The quick start itself (no overlay) shows the method: Muon with the delay correction.
+    expected = {"": ("DelayCorrected", "Muon"), "adamw.yaml": ("AdamW", None), "muon.yaml": ("Muon", None),
                 "adamw_corrected.yaml": ("DelayCorrected", "AdamW"), "muon_corrected.yaml": ("DelayCorrected", "Muon")}
     for overlay, (outer, inner) in expected.items():
+        overlays = ["--config", str(QUICKSTART.parent / overlay)] if overlay else []
         cli = AsyncPipelineCLI(
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-            args=["--config", str(QUICKSTART), "--config", str(QUICKSTART.parent / overlay),
-                  "--trainer.devices", "1", "--trainer.logger", "false"],
+            args=["--config", str(QUICKSTART), *overlays, "--trainer.devices", "1", "--trainer.logger", "false"],
         )
         optimizer = cli.model.optimizer_factory(cli.model.named_parameters())
         assert type(optimizer).__name__ == outer, overlay
         if inner is not None:
             assert isinstance(optimizer, DelayCorrected) and type(optimizer.base_optimizer).__name__ == inner
-        if "muon" in overlay:
+        if "muon" in overlay or not overlay:
             muon = optimizer.base_optimizer if isinstance(optimizer, DelayCorrected) else optimizer
             assert isinstance(muon, Muon)
 

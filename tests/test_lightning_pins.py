@@ -70,3 +70,21 @@ def test_hook_callers():
 
     assert _parameters(call._call_callback_hooks)[:2] == ["trainer", "hook_name"]
     assert _parameters(call._call_lightning_module_hook)[:2] == ["trainer", "hook_name"]
+
+
+def test_what_the_metrics_relay_reads_and_writes():
+    # lightning_async_pp.metrics reads the step's training metrics from `trainer._results.metrics(on_step)` and
+    # writes relayed values into the dict `trainer.callback_metrics` returns, which must be the live one.
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    from lightning_async_pp.metrics import CHECKPOINT_STATE
+
+    assert _parameters(_ResultCollection.metrics) == ["self", "on_step"]
+    assert set(_ResultCollection.metrics(_ResultCollection(training=True), True)) == {"callback", "log", "pbar"}
+    trainer = Trainer(logger=False, enable_progress_bar=False)
+    trainer.callback_metrics.update({"relayed": 1})
+    assert trainer.callback_metrics["relayed"] == 1 and isinstance(trainer.callbacks, list)
+    checkpoint = ModelCheckpoint(monitor="val/loss")
+    assert all(hasattr(checkpoint, name) for name in CHECKPOINT_STATE)

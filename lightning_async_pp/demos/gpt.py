@@ -19,11 +19,12 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
+
+from lightning_async_pp.module import PipelineModule
 
 Batch = tuple[Tensor, Tensor]
 
@@ -102,8 +103,11 @@ def init_layer(layer: nn.Module, seed: int) -> None:
             nn.init.zeros_(module.bias)
 
 
-class GPT(LightningModule):
+class GPT(PipelineModule):
     """Byte-level GPT language model, ready for pipeline parallelism.
+
+    A :class:`~lightning_async_pp.PipelineModule`: ``forward`` and the ``*_step`` methods follow from the
+    pipeline contract, so the same module trains with or without ``AsyncPipelineStrategy``.
 
     Args:
         vocab_size: Number of token ids (256 for bytes).
@@ -142,8 +146,8 @@ class GPT(LightningModule):
             + [Head(n_embd, vocab_size)]
         )
         self.reset_parameters()
-        self.val_loss = MeanMetric()
-        self.val_perplexity = Perplexity()
+        self.val_loss, self.val_perplexity = MeanMetric(), Perplexity()
+        self.test_loss, self.test_perplexity = MeanMetric(), Perplexity()
         self._batch_start: float | None = None
 
     def reset_parameters(self) -> None:
@@ -166,37 +170,25 @@ class GPT(LightningModule):
         init_layer(layer, self.hparams.init_seed + index)
 
     def pipeline_validation_step(self, output: Tensor, batch: Batch, batch_idx: int) -> None:
-        self.validation_metrics(output, batch)
+        self.evaluation_metrics("val", self.val_loss, self.val_perplexity, output, batch)
 
-    # --- plain LightningModule --------------------------------------------------------------------
+    def pipeline_test_step(self, output: Tensor, batch: Batch, batch_idx: int) -> None:
+        self.evaluation_metrics("test", self.test_loss, self.test_perplexity, output, batch)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        x = idx
-        for layer in self.layers:
-            x = layer(x)
-        return x
+    def evaluation_metrics(self, prefix: str, loss: MeanMetric, perplexity: Perplexity, logits: Tensor, batch: Batch) -> None:
+        """Update and log ``{prefix}/loss`` (per token) and ``{prefix}/perplexity`` from the logits of one batch."""
+        loss.update(self.pipeline_loss(logits, batch), weight=batch[1].numel())
+        perplexity.update(logits.float(), batch[1])
+        self.log(f"{prefix}/loss", loss, prog_bar=prefix == "val")
+        self.log(f"{prefix}/perplexity", perplexity)
 
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(self.pipeline_inputs(batch)), batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        logits = self(self.pipeline_inputs(batch))
-        self.validation_metrics(logits, batch)
-
-    def validation_metrics(self, logits: Tensor, batch: Batch) -> None:
-        """Update and log ``val/loss`` and ``val/perplexity`` from the logits of one batch."""
-        self.val_loss.update(self.pipeline_loss(logits, batch), weight=batch[1].numel())
-        self.val_perplexity.update(logits.float(), batch[1])
-        self.log("val/loss", self.val_loss, prog_bar=True)
-        self.log("val/perplexity", self.val_perplexity)
+    # --- logging ------------------------------------------------------------------------------------
 
     def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         if self._batch_start is not None:
             elapsed = time.perf_counter() - self._batch_start
             self.log("train/tokens_per_sec", batch[0].numel() / max(elapsed, 1e-9))

@@ -13,8 +13,13 @@ the loss of the whole batch. Two methods are optional:
 
 - ``reset_pipeline_layer(index, layer)`` (re)initialises one layer by itself; a stage that materialises
   only its own layers from the meta device calls it (otherwise each submodule's ``reset_parameters()``).
-- ``pipeline_validation_step(output, batch, batch_idx)`` runs on the last stage during validation with
-  the last layer's output; by default the strategy logs ``val/loss`` from ``pipeline_loss``.
+- ``pipeline_validation_step(output, batch, batch_idx)``, ``pipeline_test_step(...)`` and
+  ``pipeline_predict_step(...)`` run on the last stage during validation, testing and prediction with the last
+  layer's output; by default the strategy logs ``val/loss`` or ``test/loss`` from ``pipeline_loss`` and
+  predicts the output itself.
+
+:class:`lightning_async_pp.PipelineModule` is a ``LightningModule`` base class that derives ``forward`` and
+the ``*_step`` methods from this contract, so the module runs unchanged without the strategy.
 
 Nothing is traced: the strategy calls these methods and nothing else, so what runs is what you wrote.
 """
@@ -30,8 +35,9 @@ REQUIRED = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
 
 
 @runtime_checkable
-class PipelineModule(Protocol):
-    """The pipeline contract. Implement these methods on your ``LightningModule``."""
+class PipelineContract(Protocol):
+    """The pipeline contract, as a type. Implement these methods on your ``LightningModule``, or subclass
+    :class:`lightning_async_pp.PipelineModule`, which also derives the ``*_step`` methods from them."""
 
     def pipeline_layers(self) -> Sequence[nn.Module]:
         """The model's layers in execution order (each maps one tensor to one tensor)."""

@@ -38,3 +38,20 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
         apply_to_collection(batch, Tensor, lambda t, i=i: t[i * step : (i + 1) * step] if t.dim() > 0 else t)
         for i in range(num_microbatches)
     ]
+
+
+def auto_num_microbatches(batch_size: int, num_stages: int) -> int:
+    """The smallest number of micro-batches that is at least ``num_stages`` and divides ``batch_size``.
+
+    That is the fewest "2bw" allows (one per stage), with equal micro-batches; on one stage it is 1.
+
+    Raises:
+        ValueError: If the batch is smaller than the number of stages.
+    """
+    for count in range(num_stages, batch_size + 1):
+        if batch_size % count == 0:
+            return count
+    raise ValueError(
+        f"num_microbatches='auto' needs at least one sample per pipeline stage, got batches of {batch_size} samples "
+        f"for {num_stages} stages. Use a batch size that is a multiple of {num_stages}."
+    )
