@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import torch
 
 import callbacks_run
+from helpers import run_script
 from lightning.pytorch import Trainer
 from test_data_parallel import global_batches
 
@@ -27,16 +26,8 @@ TIMEOUT = 600
 def run(out: Path, *args: str) -> list[dict]:
     """Run ``callbacks_run.py`` as its own job (Lightning's launcher starts the ranks); every rank's record."""
     devices = int(args[args.index("--devices") + 1])
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    process = subprocess.Popen([sys.executable, str(RUNNER), *args, "--out", str(out)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"run timed out after {TIMEOUT}s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    status, output = run_script([sys.executable, str(RUNNER), *args, "--out", str(out)], TIMEOUT)
+    assert status == 0, output[-6000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(devices)]
 
 

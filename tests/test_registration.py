@@ -52,4 +52,4 @@ def test_yaml_class_path_sets_arguments(tmp_path):
 
 def test_2bw_with_fewer_microbatches_than_stages_fails_before_launch():
     with pytest.raises(ValueError, match="num_microbatches >= 2"):
-        Trainer(strategy="async_pp", accelerator="cpu", devices=2, logger=False)
+        Trainer(strategy=AsyncPipelineStrategy(num_microbatches=1), accelerator="cpu", devices=2, logger=False)
