@@ -20,7 +20,6 @@ from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
@@ -43,6 +42,8 @@ from lightning_async_pp.pipeline.contract import is_pipeline_module, require_pip
 from lightning_async_pp.pipeline.delayed import DelayedWeights
 from lightning_async_pp.pipeline.microbatch import auto_num_microbatches, batch_size_of, split_microbatches
 from lightning_async_pp.pipeline.partition import count_parameters
+from lightning_async_pp.distributed import barrier as distributed_barrier
+from lightning_async_pp.distributed import init_process_group
 from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats, check_finite_losses
 from lightning_async_pp.pipeline.stats import StatsRelay
@@ -173,6 +174,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._metrics: MetricsRelay | None = None
         self._finish_sigterm_check: Callable[[], None] | None = None
         self._steps_run = 0
+        self._stats_reported = 0
+        self._no_loss: Tensor | None = None
         self._pending_stage_stats: dict[int, dict[int, StepStats]] = {}
         self.stage_layers: range | None = None
         self.stage_stats: dict[int, deque[StepStats]] = {}
@@ -299,7 +302,12 @@ class AsyncPipelineStrategy(ParallelStrategy):
             rank_zero_only.rank = self.global_rank
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             self.process_group_backend = backend
-            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
+            if _distributed_is_initialized():
+                return
+            env = self.cluster_environment
+            init_process_group(
+                backend, env.global_rank(), env.world_size(), env.main_address, env.main_port, self.timeout, self.root_device
+            )
 
     @override
     @contextlib.contextmanager
@@ -378,6 +386,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         pipelines = [[self.rank_of(s, replica) for s in range(P)] for replica in range(D)]
         self._metrics = MetricsRelay.for_pipelines(pipelines, self.global_rank, self.root_device)
         self._steps_run = 0
+        self._stats_reported = 0
 
     def _install_sigterm_check(self, trainer: Trainer) -> None:
         """Replace Lightning's per-step SIGTERM broadcast by one that never stalls the pipeline.
@@ -425,7 +434,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 "`self.example_input_array` in your LightningModule to the first layer's input for one "
                 "micro-batch, or use balance='parameters' or explicit `split_points`."
             )
-        costs = measure_layer_times(layers, example) if self.global_rank == 0 else None
+        costs = measure_layer_times(layers, example, device=self.root_device) if self.global_rank == 0 else None
         # Every rank must cut the model the same way: rank 0's measurement decides.
         return self.broadcast(costs, src=0)
 
@@ -535,14 +544,18 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 if self.data_parallel_size > 1:  # the loss of the global batch: mean over the replicas
                     dist.all_reduce(loss, group=self._groups["data"])
                     loss /= self.data_parallel_size
-                module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-            self._relay.publish(stats)
-            if self.is_global_zero:
-                self._record_stats(self.stage, stats)
-                self._relay.poll(lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._steps_run)
+                # A device tensor: loggers read it every `log_every_n_steps`. The progress bar would read it
+                # every step, a host-device synchronization per step, so it shows the loss on CPU only.
+                on_cpu = loss.device.type == "cpu"
+                module.log("train/loss", loss, prog_bar=on_cpu, on_step=True, on_epoch=False)
+            self._report_stats(stats)
             # The gradients are already in place; `backward` skips this detached value. Only the last
             # stage (rank 0) knows the loss.
-            return loss if loss is not None else torch.tensor(float("nan"), device=self.root_device)
+            if loss is None:
+                if self._no_loss is None:
+                    self._no_loss = torch.full((), float("nan"), device=self.root_device)
+                loss = self._no_loss
+            return loss
         if not is_pipeline_module(module):
             return super().training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
@@ -566,6 +579,16 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"num_microbatches='auto': {count} micro-batches of {size // count} samples, the smallest number that "
                 f"is at least the {self.num_stages} pipeline stage(s) and divides the batch size {size}"
             )
+
+    def _report_stats(self, stats: StepStats | None) -> None:
+        """Send a step's timings to rank 0 (which logs them); each stage reports as many records."""
+        if stats is None:
+            return
+        self._stats_reported += 1
+        self._relay.publish(stats)
+        if self.is_global_zero:
+            self._record_stats(self.stage, stats)
+            self._relay.poll(lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._stats_reported)
 
     def _stage_of_rank(self, rank: int) -> int:
         return self.num_stages - 1 - rank // self.data_parallel_size
@@ -668,9 +691,12 @@ class AsyncPipelineStrategy(ParallelStrategy):
             self._finish_sigterm_check()
             self._finish_sigterm_check = None
         if self._relay is not None:
+            if self._runtime is not None:
+                for stats in self._runtime.take_stats():
+                    self._report_stats(stats)
             if self.is_global_zero:
                 self._relay.poll(
-                    lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._steps_run, block=True
+                    lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._stats_reported, block=True
                 )
             else:
                 self._relay.close()
@@ -883,7 +909,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            distributed_barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import time
 from collections.abc import Sequence
 
@@ -105,25 +107,35 @@ def partition_layers(
     return stage_ranges(starts, len(layers))
 
 
-def measure_layer_times(layers: Sequence[nn.Module], example_input: Tensor, repeats: int = 3) -> list[float]:
+def measure_layer_times(
+    layers: Sequence[nn.Module], example_input: Tensor, repeats: int = 3, device: torch.device | None = None
+) -> list[float]:
     """Forward plus backward seconds of each layer (median of ``repeats``), fed by the previous layer.
 
     Args:
         layers: Materialised layers, in order.
         example_input: The first layer's input (``pipeline_inputs`` of one micro-batch).
         repeats: Timed repetitions per layer, after one warm-up.
+        device: Time each layer on this device (a copy of it, one layer at a time), e.g. the GPU the
+            stages will run on; ``None`` times the layers where they are.
     """
     if any(is_meta(layer) for layer in layers):
         raise ValueError("Layer times can only be measured on materialised layers, not on the meta device.")
     times = []
-    x = example_input
-    for layer in layers:
+    x = example_input if device is None else example_input.to(device)
+    cuda = x.is_cuda
+    for original in layers:
+        layer = original if device is None else copy.deepcopy(original).to(device)
         samples = []
         for _ in range(repeats + 1):
             inp = x.detach().requires_grad_(x.is_floating_point())
+            if cuda:
+                torch.cuda.synchronize(x.device)  # setup time, not the training loop: waiting is fine here
             start = time.perf_counter()
             out = layer(inp)
             out.backward(torch.ones_like(out))
+            if cuda:
+                torch.cuda.synchronize(x.device)
             samples.append(time.perf_counter() - start)
         layer.zero_grad(set_to_none=True)
         times.append(sorted(samples[1:])[len(samples[1:]) // 2])

@@ -78,6 +78,53 @@ class StepStats:
 
 
 @dataclass
+class _StepTiming:
+    stats: StepStats | None
+    start: Any
+    end: Any = None
+    actions: list[tuple[str | None, str, Any, Any]] = field(default_factory=list)
+
+
+class ActionClock:
+    """Marks points in a stage's work: CUDA events on a CUDA device (device time, read once the device got
+    there, so timing never makes the host wait), the wall clock otherwise. Either way a wait for a transfer
+    counts as the time the stage's compute stood still.
+
+    Args:
+        device: The stage's device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._origin: tuple[Any, float] | None = None
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if self._origin is None:  # ties device time to the host clock, for the trace
+            self._origin = (event, time.perf_counter())
+        return event
+
+    def ready(self, mark: Any) -> bool:
+        return not self.cuda or mark.query()
+
+    def seconds(self, begin: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - begin
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    def time(self, mark: Any) -> float:
+        """Seconds on the host's ``perf_counter`` scale."""
+        if not self.cuda:
+            return mark
+        assert self._origin is not None
+        return self._origin[1] + self.seconds(self._origin[0], mark)
+
+
+@dataclass
 class _PendingUpdate:
     step: int
     grads: dict[str, Tensor]
@@ -108,7 +155,8 @@ class StageRuntime:
         p2p_group: Process group of the activation and gradient transfers. Give each its own group: gloo
             numbers a group's collectives with the same tags that point-to-point messages use.
         forward_context: Context manager factory around forwards (e.g. autocast).
-        trace: Record the start and end time of every action.
+        trace: Record the start and end time of every action (the last ``trace_window`` actions).
+        trace_window: How many actions the trace keeps (a sliding window, so long runs stay bounded).
         start_version: Weight version the parameters hold (non-zero when resuming).
         before_update: Called once per step when the stage's gradient of that step is complete (averaged over
             the replicas, not yet clipped), with the gradient in the parameters' ``.grad``, before the norm for
@@ -140,7 +188,8 @@ class StageRuntime:
     start_version: int = 0
     check_finite: bool = True
     before_update: Callable[[], None] | None = None
-    events: list[tuple[str, float, float]] = field(default_factory=list)
+    trace_window: int = 20_000
+    events: collections.deque[tuple[str, float, float]] = field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
         validate(self.kind, self.num_stages, self.num_microbatches)
@@ -178,23 +227,32 @@ class StageRuntime:
         self._external_keys: set[str] = set()
         self._last_seen: list[dict[str, Any]] | None = None
         self._pending: list[_PendingUpdate] = []
-        self._stats: StepStats | None = None
+        self._timing: _StepTiming | None = None
+        self._clock = ActionClock(self.device)
+        self._timings: collections.deque[_StepTiming] = collections.deque()
+        self._ready_stats: collections.deque[StepStats] = collections.deque()
+        self.events = collections.deque(self.events, maxlen=self.trace_window)
         self.versions_used: dict[int, int] = {}  # step -> weight version its micro-batches ran on (recent steps)
         self.update_log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
         """Recent updates as (step, version the gradient was computed on, version produced)."""
 
     # --- public API ------------------------------------------------------------------------------------
 
-    def run_step(self, step: int, batch: Any) -> tuple[Tensor | None, StepStats]:
-        """Execute this stage's share of ``step``. Returns the step's mean loss (last stage) and timings."""
+    def run_step(self, step: int, batch: Any) -> tuple[Tensor | None, StepStats | None]:
+        """Execute this stage's share of ``step``.
+
+        Returns the step's mean loss (last stage, a device tensor) and the timings of the oldest step whose
+        timings are known: on CPU this step's; on CUDA, where they are read from events once the device has
+        run the step, usually an earlier step's (``StepStats.step`` says which), or ``None``. The rest come
+        from :meth:`take_stats`.
+        """
         self._read_finite_checks(wait_beyond=2)
         if self.run_start is None:
             self.run_start = step
             for channel in (self.prev, self.next):
                 if channel is not None:
                     channel.forget_layout()  # evaluation may have sent other shapes since the last run
-        start = time.perf_counter()
-        self._stats = StepStats(step)
+        timing = self._timing = _StepTiming(StepStats(step), self._clock.mark())
         self._hyperparameters[step] = self._observe_hyperparameters()
         self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
         self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
@@ -207,12 +265,39 @@ class StageRuntime:
             if self.check_finite:
                 self._finite_checks.append(FiniteCheck(losses, step, self.stage))
             loss = losses.mean()
-        stats, self._stats = self._stats, None
-        stats.wall = time.perf_counter() - start
+        self._timing = None
+        stats = timing.stats
+        timing.end = self._clock.mark()
         if self.update_log:
             applied_step, gradient_version, produced = self.update_log[-1]
             stats.version_lag = (produced - 1) - max(gradient_version, 0)
-        return loss, stats
+        self._timings.append(timing)
+        self._resolve_timings(wait_beyond=2)
+        return loss, (self._ready_stats.popleft() if self._ready_stats else None)
+
+    def take_stats(self) -> list[StepStats]:
+        """The timings of every step run so far that :meth:`run_step` has not returned yet (waits for the device)."""
+        self._resolve_timings(wait_beyond=0)
+        out = list(self._ready_stats)
+        self._ready_stats.clear()
+        return out
+
+    def _resolve_timings(self, wait_beyond: int) -> None:
+        """Read the timings the device has completed (and those older than ``wait_beyond`` records)."""
+        while self._timings:
+            timing = self._timings[0]
+            if len(self._timings) <= wait_beyond and not self._clock.ready(timing.end):
+                break
+            self._timings.popleft()
+            stats = timing.stats
+            for name, label, begin, end in timing.actions:
+                if stats is not None and name is not None:
+                    setattr(stats, name, getattr(stats, name) + self._clock.seconds(begin, end))
+                if self.trace:
+                    self.events.append((label, self._clock.time(begin), self._clock.time(end)))
+            if stats is not None:
+                stats.wall = self._clock.seconds(timing.start, timing.end)
+                self._ready_stats.append(stats)
 
     def drain(self) -> None:
         """Finish every started micro-batch and apply every pending update (empties the pipeline)."""
@@ -225,6 +310,7 @@ class StageRuntime:
             if channel is not None:
                 channel.wait_sends()
         self._read_finite_checks(wait_beyond=0)
+        self._resolve_timings(wait_beyond=0)
         self.run_start = None
         self._hyperparameters.clear()
 
@@ -267,15 +353,19 @@ class StageRuntime:
         plan = posting_plan(actions)
         for op in plan.start:
             self._channel(op).prefetch()
-        stats = self._stats
+        timing = self._timing  # None in a drain or an evaluation
         for index, action in enumerate(actions):
-            begin = time.perf_counter()
-            self._run(action, plan.post_next[index])
-            end = time.perf_counter()
-            if stats is not None and action.op in _TIMED:
-                setattr(stats, _TIMED[action.op], getattr(stats, _TIMED[action.op]) + end - begin)
-            if self.trace:
-                self.events.append((str(action), begin, end))
+            label = str(action)
+            begin = self._clock.mark() if timing is not None or self.trace else None
+            with torch.profiler.record_function(f"pipeline {label}"):
+                self._run(action, plan.post_next[index])
+            if begin is None:
+                continue
+            entry = (_TIMED.get(action.op), label, begin, self._clock.mark())
+            if timing is not None:
+                timing.actions.append(entry)
+            else:  # traced, but part of no step's statistics
+                self._timings.append(_StepTiming(None, begin, entry[3], [entry]))
 
     def _channel(self, op: Op) -> Channel:
         return self.prev if op in (Op.RECV_F, Op.SEND_B) else self.next
