@@ -96,6 +96,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (split into M micro-batches)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 5, quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 10)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                        help="gpu: one GPU per pipeline process, NCCL (used by scripts/gpu_check.py)")
 
 
 def build_model(args: argparse.Namespace):
@@ -206,10 +208,24 @@ def worker(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown variant {name!r}")
 
 
+def _window_sync(args: argparse.Namespace, step: int) -> None:
+    """On GPUs, wait for the device at the two ends of the timed window only (never inside it)."""
+    if args.accelerator == "gpu" and step in (args.warmup - 1, args.warmup + args.steps - 1):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _peak_gpu_mb(args: argparse.Namespace) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if args.accelerator == "gpu" else None
+
+
 class _StepClock:
     """Lightning callback recording ``time.perf_counter()`` at the end of every training step."""
 
-    def __new__(cls):
+    def __new__(cls, args: argparse.Namespace | None = None):
         from lightning.pytorch import Callback
 
         class StepClock(Callback):
@@ -217,6 +233,8 @@ class _StepClock:
                 self.ends: list[float] = []
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                if args is not None:
+                    _window_sync(args, len(self.ends))
                 self.ends.append(time.perf_counter())
 
         return StepClock()
@@ -226,7 +244,7 @@ def _trainer(devices: int, strategy: Any, clock: Any, args: argparse.Namespace):
     from lightning.pytorch import Trainer
 
     return Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.warmup + args.steps,
+        accelerator=args.accelerator, devices=devices, strategy=strategy, max_steps=args.warmup + args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clock],
     )
@@ -258,14 +276,14 @@ def _lightning_worker(args: argparse.Namespace) -> None:
 
     for method in ("_forward", "_backward", "_apply_update"):
         setattr(StageRuntime, method, HEAP.wrap(getattr(StageRuntime, method)))
-    clock = _StepClock()
+    clock = _StepClock(args)
     trainer = _trainer(args.stages, strategy, clock, args)
     trainer.fit(model, train_dataloaders=_loader(args))
     rank = trainer.global_rank
     params = [p for p in model.parameters() if p.requires_grad and not p.is_meta]
     record: dict[str, Any] = {
         "rank": rank, "stage": strategy.stage, "ends": clock.ends, "peak_rss_mb": peak_rss_mb(), "peak_heap_mb": HEAP.mb(),
-        "stage_weight_mb": sum(p.numel() * p.element_size() for p in params) / 2**20,
+        "stage_weight_mb": sum(p.numel() * p.element_size() for p in params) / 2**20, "peak_gpu_mb": _peak_gpu_mb(args),
     }
     if rank == 0:
         record["stage_stats"] = {str(s): [asdict(r) for r in records] for s, records in strategy.stage_stats.items()}
@@ -312,16 +330,20 @@ def _torch_pipeline_worker(args: argparse.Namespace) -> None:
 
     P, M = args.stages, args.microbatches
     rank = int(os.environ["RANK"])  # MASTER_ADDR/MASTER_PORT/WORLD_SIZE come from the orchestrator
-    dist.init_process_group("gloo", rank=rank, world_size=P)
+    gpu = args.accelerator == "gpu"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=P, device_id=device if gpu else None)
     stage_index = rank  # torch's convention: stage s on rank s (the loss on rank P - 1)
     model = build_model(args)
     starts = [0, *[int(x) for x in args.split_points.split(",")]]
     layers = list(model.pipeline_layers())
     bounds = [*starts, len(layers)]
-    module = nn.Sequential(*layers[bounds[stage_index] : bounds[stage_index + 1]])
+    module = nn.Sequential(*layers[bounds[stage_index] : bounds[stage_index + 1]]).to(device)
     del model, layers
     busy = _Busy()
-    stage = PipelineStage(module, stage_index, P, torch.device("cpu"))
+    stage = PipelineStage(module, stage_index, P, device)
     stage.forward_one_chunk = HEAP.wrap(busy.wrap(stage.forward_one_chunk))
     stage.backward_one_chunk = HEAP.wrap(busy.wrap(stage.backward_one_chunk))
 
@@ -335,6 +357,7 @@ def _torch_pipeline_worker(args: argparse.Namespace) -> None:
     ends, busy_per_step = [], []
     is_last = stage_index == P - 1
     for x, y in make_batches(args):
+        x, y = x.to(device), y.to(device)
         before = busy.total
         optimizer.zero_grad(set_to_none=True)
         # return_outputs=False: the last stage does not concatenate the logits (this package does not either)
@@ -345,11 +368,12 @@ def _torch_pipeline_worker(args: argparse.Namespace) -> None:
         else:
             schedule.step(return_outputs=False)
         optimizer_step()
+        _window_sync(args, len(ends))
         ends.append(time.perf_counter())
         busy_per_step.append(busy.total - before)
     record = {
         "rank": rank, "stage": stage_index, "ends": ends, "busy": busy_per_step, "peak_rss_mb": peak_rss_mb(),
-        "peak_heap_mb": HEAP.mb(),
+        "peak_heap_mb": HEAP.mb(), "peak_gpu_mb": _peak_gpu_mb(args),
         "stage_weight_mb": sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20,
     }
     _write(Path(args.result_dir) / f"rank{rank}.json", record)
@@ -398,7 +422,7 @@ def run_job(
         "--microbatches", str(num_microbatches), "--split-points", ",".join(map(str, splits)),
         "--result-dir", str(result_dir), "--width", str(args.width), "--layers", str(args.layers),
         "--heads", str(args.heads), "--seq", str(args.seq), "--batch-size", str(args.batch_size),
-        "--warmup", str(args.warmup), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--steps", str(args.steps), "--accelerator", args.accelerator,
     ]
     if name in ASYNC_VARIANTS and args.simulate:
         command.append("--trace")
@@ -472,7 +496,8 @@ def summarize_job(name: str, records: list[dict], args: argparse.Namespace, num_
         ends = record["ends"]
         window = ends[W + N - 1] - ends[W - 1]
         entry = {"stage": record["stage"], "window_s": window, "peak_rss_mb": record["peak_rss_mb"],
-                 "peak_heap_mb": record.get("peak_heap_mb"), "stage_weight_mb": record["stage_weight_mb"]}
+                 "peak_heap_mb": record.get("peak_heap_mb"), "stage_weight_mb": record["stage_weight_mb"],
+                 "peak_gpu_mb": record.get("peak_gpu_mb")}
         if stats is not None:
             steps = [s for s in stats[str(record["stage"])] if W <= s["step"] < W + N]
             busy = sum(s["forward"] + s["backward"] + s["update"] for s in steps)
@@ -729,6 +754,7 @@ def aggregate(raw: dict[tuple[str, int, int], list[dict]], args: argparse.Namesp
             "step_ms": _median([r["step_ms"] for r in reps]),
             "peak_rss_mb": per_stage("peak_rss_mb"),
             "peak_heap_mb": per_stage("peak_heap_mb"),
+            "peak_gpu_mb": per_stage("peak_gpu_mb"),
             "bubble_fraction": per_stage("bubble_fraction"),
             "busy_ms_per_step": [None if b is None else 1e3 * b / steps for b in busy],
             "idle_ms_per_step": [None if i is None else 1e3 * i / steps for i in idle],
