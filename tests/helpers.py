@@ -72,11 +72,10 @@ def flat_weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run_script(command: list[str], timeout: float) -> tuple[int, str]:
+def run_script(command: list[str], timeout: float, raise_on_timeout: bool = False) -> tuple[int, str]:
     """Run a training script (which may start more processes) in a session of its own; on timeout kill
-    every process of it and fail the test. Returns the exit status and the combined output."""
-    import pytest
-
+    every process of it and fail the test (``raise_on_timeout``: raise ``TimeoutError``, outside pytest).
+    Returns the exit status and the combined output."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
@@ -85,7 +84,12 @@ def run_script(command: list[str], timeout: float) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, 9)
         output, _ = process.communicate()
-        pytest.fail(f"{Path(command[1]).name} timed out after {timeout}s:\n{output[-4000:]}")
+        message = f"{Path(command[1]).name} timed out after {timeout}s:\n{output[-4000:]}"
+        if raise_on_timeout:
+            raise TimeoutError(message) from None
+        import pytest
+
+        pytest.fail(message)
     return process.returncode, output
 
 
