@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -90,15 +91,18 @@ class MetricsRelay:
         self.callback = _RelayCallback(self)
 
     @classmethod
-    def for_pipelines(cls, pipelines: list[list[int]], rank: int, device: torch.device) -> MetricsRelay:
+    def for_pipelines(
+        cls, pipelines: list[list[int]], rank: int, device: torch.device, timeout: timedelta | None = None
+    ) -> MetricsRelay:
         """Create one relay group per pipeline replica (every rank creates every group, in the same order).
 
         Args:
             pipelines: The global ranks of each replica's stages, first stage first.
+            timeout: How long a rank waits for a relayed message before it gives up (the strategy's timeout).
         """
         relay = None
         for ranks in pipelines:
-            group = dist.new_group(ranks, backend="gloo")
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if rank in ranks:
                 relay = cls(ranks[-1], group, rank, device)
         assert relay is not None, f"rank {rank} is in no pipeline"

@@ -384,7 +384,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._relay = StatsRelay(self.global_rank, peers, stats_group)
         # What the last stage logs reaches the other stages of its replica (see lightning_async_pp.metrics).
         pipelines = [[self.rank_of(s, replica) for s in range(P)] for replica in range(D)]
-        self._metrics = MetricsRelay.for_pipelines(pipelines, self.global_rank, self.root_device)
+        self._metrics = MetricsRelay.for_pipelines(pipelines, self.global_rank, self.root_device, self.timeout)
         self._steps_run = 0
         self._stats_reported = 0
 
