@@ -45,8 +45,10 @@ from lightning_async_pp.pipeline.partition import count_parameters
 from lightning_async_pp.distributed import barrier as distributed_barrier
 from lightning_async_pp.distributed import init_process_group
 from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
+from lightning_async_pp.pipeline.recompute import ActivationCheckpointing, check_option, checkpoint_layers, select_layers
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats, check_finite_losses
 from lightning_async_pp.pipeline.stats import StatsRelay
+from lightning_async_pp.pipeline import ties as tied
 from lightning_async_pp.resume import ResumableLoader
 from lightning_async_pp.routing import report_routing
 
@@ -97,6 +99,10 @@ class AsyncPipelineStrategy(ParallelStrategy):
         balance: What to balance when ``split_points`` is not given: ``"parameters"`` (parameter count per
             layer), ``"time"`` (forward+backward time of each layer, measured on rank 0 with the module's
             ``example_input_array`` as the first layer's input), or a list with one cost per layer.
+        activation_checkpointing: Layers that keep only their input and recompute their forward in backward,
+            trading compute for activation memory: ``True`` (every pipeline layer), a list of layer indices,
+            layer types or layer class names (``["Block"]``), or ``False``. The recompute uses the weight
+            version the micro-batch was pinned to, as does a layer that calls ``torch.utils.checkpoint`` itself.
         trace_dir: If set, each stage writes a Chrome trace (``chrome://tracing`` / Perfetto JSON) of the
             actions it executed, with their real start and end times, to this folder.
         start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
@@ -121,6 +127,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         pipeline_parallel_size: int | None = None,
         split_points: Sequence[int] | None = None,
         balance: Literal["parameters", "time"] | Sequence[float] = "parameters",
+        activation_checkpointing: ActivationCheckpointing = False,
         trace_dir: str | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
         accelerator: Any = None,
@@ -161,6 +168,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self.pipeline_parallel_size = pipeline_parallel_size
         self.split_points = list(split_points) if split_points is not None else None
         self.balance = balance if isinstance(balance, str) else [float(c) for c in balance]
+        check_option(activation_checkpointing)
+        self.activation_checkpointing = activation_checkpointing
         self.trace_dir = trace_dir
         self.start_method = start_method
         self.process_group_backend = process_group_backend
@@ -177,6 +186,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._stats_reported = 0
         self._no_loss: Tensor | None = None
         self._pending_stage_stats: dict[int, dict[int, StepStats]] = {}
+        self._ties: tied.TiedGradients | None = None
         self.stage_layers: range | None = None
         self.stage_stats: dict[int, deque[StepStats]] = {}
         """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps, per
@@ -283,6 +293,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"AsyncPipelineStrategy does not support precision={precision!r}: fp16 needs a loss scale shared by "
                 "all stages. Use precision='bf16-mixed' or '32-true'."
             )
+        if self.activation_checkpointing is not False:
+            require_pipeline_module(module, "needed to apply `activation_checkpointing` to its layers")
+            select_layers(list(module.pipeline_layers()), self.activation_checkpointing)
         if self.multi_process:
             require_pipeline_module(module, f"needed to cut it into {self.num_stages} stages")
             check_gradient_clipping_hook(module)
@@ -350,8 +363,12 @@ class AsyncPipelineStrategy(ParallelStrategy):
             self._create_groups()
             self._place_stage(module)
             self._metrics.attach(trainer)
-        elif self.num_microbatches > 1 and not is_pipeline_module(module):
-            require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
+        else:
+            if self.num_microbatches > 1 and not is_pipeline_module(module):
+                require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
+            if self.activation_checkpointing is not False:
+                layers = list(module.pipeline_layers())
+                checkpoint_layers(layers, select_layers(layers, self.activation_checkpointing))
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             report_routing(self, self.optimizers)
@@ -447,10 +464,22 @@ class AsyncPipelineStrategy(ParallelStrategy):
         owner = [stage for stage, r in enumerate(ranges) for _ in r]
         own = ranges[self.stage]
         self.stage_layers = own
+        # Tied weights are found on the whole model, before other stages' layers are dropped.
+        ties = tied.find_ties(layers, ranges)
+        groups, sources = tied.new_tie_groups(
+            ties, self.rank_of, self.data_parallel_size, self.replica, self.stage, self.process_group_backend
+        )
+        recomputed = select_layers(layers, self.activation_checkpointing)
         keep_only_layers(module, layers, own, owner)
+        shared = tied.parameter_slots([layers[i] for i in own])
         for index in own:
             if any(t.is_meta for t in (*layers[index].parameters(), *layers[index].buffers())):
                 materialize(module, index, layers[index], self.root_device)
+        tied.retie(shared)
+        stage_params = dict(nn.Sequential(*(layers[i] for i in own)).named_parameters())
+        tied.broadcast_ties(ties, self.stage, stage_params, groups, sources)
+        self._ties = tied.TiedGradients(ties, self.stage, groups) if any(t.requires_grad for t in ties) else None
+        checkpoint_layers(layers, [i for i in recomputed if i in own])
         self._localize_metrics(module)
         names = ", ".join(f"{i}:{type(layers[i]).__name__}" for i in own)
         count = sum(count_parameters(layers[i]) for i in own)
@@ -515,6 +544,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             trace=self.trace_dir is not None,
             start_version=restored.get("version", 0),
             before_update=before_optimizer_step(trainer, self.optimizers[0]),
+            ties=self._ties,
         )
         self._runtime = runtime
         previous = restored.get("previous")

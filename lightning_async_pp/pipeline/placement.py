@@ -36,23 +36,56 @@ class RemoteLayer(nn.Module):
         return f"layer={self.index}, stage={self.stage}"
 
 
-def _replace(root: nn.Module, target: nn.Module, replacement: nn.Module) -> None:
-    for name, module in root.named_modules(remove_duplicate=False):
-        if module is target and name:
-            parent_name, _, attribute = name.rpartition(".")
-            setattr(root.get_submodule(parent_name), attribute, replacement)
-            return
-    raise ValueError(
-        f"A pipeline layer of type {type(target).__name__} is not a submodule of {type(root).__name__}. "
-        "`pipeline_layers()` must return modules registered on the LightningModule (e.g. in an nn.ModuleList)."
-    )
-
-
 def keep_only_layers(root: nn.Module, layers: Sequence[nn.Module], keep: range, owner_of: Sequence[int]) -> None:
-    """Replace every layer outside ``keep`` by a :class:`RemoteLayer`, freeing its parameters here."""
+    """Replace every layer outside ``keep`` by a :class:`RemoteLayer`, freeing its parameters here.
+
+    A model may reach a layer, or a module inside one, through more than one attribute (an adapter that
+    keeps ``self.hf = model`` beside ``self.layers``). Every such reference is replaced, so the stage holds
+    only its own layers. A module that a kept layer uses too (the module of a tied weight) stays.
+    """
+    for index, layer in enumerate(layers):
+        if not any(module is layer for module in root.modules()):
+            raise ValueError(
+                f"A pipeline layer of type {type(layer).__name__} is not a submodule of {type(root).__name__}. "
+                "`pipeline_layers()` must return modules registered on the LightningModule (e.g. in an nn.ModuleList)."
+            )
+    kept = {id(m) for index in keep for m in layers[index].modules()}
+    dropped: dict[int, int] = {}  # id(module) -> index of the layer it belongs to
     for index, layer in enumerate(layers):
         if index not in keep:
-            _replace(root, layer, RemoteLayer(index, owner_of[index]))
+            for module in layer.modules():
+                if id(module) not in kept:
+                    dropped.setdefault(id(module), index)
+    # Cut every edge from a module that stays to one that goes: then no path from the root reaches a dropped
+    # module. Collect the edges first, as replacing them would change the walk.
+    cuts = [
+        (module, attribute, dropped[id(child)])
+        for module in root.modules()
+        if id(module) not in dropped
+        for attribute, child in module._modules.items()
+        if child is not None and id(child) in dropped
+    ]
+    for parent, attribute, index in cuts:
+        setattr(parent, attribute, RemoteLayer(index, owner_of[index]))
+    _refuse_leftovers(root, layers, keep)
+
+
+def _refuse_leftovers(root: nn.Module, layers: Sequence[nn.Module], keep: range) -> None:
+    """Raise naming the attribute through which ``root`` still holds a tensor of another stage's layer."""
+    own = {id(t) for index in keep for t in (*layers[index].parameters(), *layers[index].buffers())}
+    foreign = {
+        id(t): index
+        for index, layer in enumerate(layers)
+        if index not in keep
+        for t in (*layer.parameters(), *layer.buffers())
+    }
+    for name, tensor in (*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)):
+        if id(tensor) in foreign and id(tensor) not in own:
+            raise ValueError(
+                f"`{name}` of {type(root).__name__} is a tensor of pipeline layer {foreign[id(tensor)]}, which lives "
+                "on another stage, yet this stage would keep it through that attribute. Register the tensor only "
+                "inside the layer that uses it (reach it through the layer, e.g. with a property)."
+            )
 
 
 def is_meta(module: nn.Module) -> bool:

@@ -10,6 +10,13 @@ own ``nn.Parameter`` objects alias the newest copy, so optimizer state, schedule
 ordinary parameters. An update writes the new version into the copy nobody uses any more (its
 micro-batches are all done), never into a tensor an in-flight autograd graph saved.
 
+Recomputation. A layer that recomputes its forward in backward (``torch.utils.checkpoint``) reads its
+parameters again then, so every backward runs under the same re-parametrization as its forward: the
+recompute sees the micro-batch's version, never the newest one.
+
+Tied weights. A parameter that layers of several stages share has a copy on each of them; ``ties`` sums
+their gradients before each update (see :mod:`lightning_async_pp.pipeline.ties`), so the copies stay equal.
+
 Update timing. ``UPDATE(t)`` runs as soon as the stage's last backward of step ``t`` is done. With
 gradient clipping, the global norm needs every stage's share, so the stage posts a non-blocking
 all-reduce and applies the update only when the new version is first needed (the first forward of step
@@ -29,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim import Optimizer
 
 from lightning_async_pp.pipeline.comm import Channel
@@ -42,6 +50,7 @@ from lightning_async_pp.pipeline.schedule import (
     validate,
     weight_version,
 )
+from lightning_async_pp.pipeline.ties import TiedGradients
 
 Key = tuple[int, int]  # (step, micro-batch)
 _RECEIVES = (Op.RECV_F, Op.RECV_B)
@@ -130,6 +139,7 @@ class _PendingUpdate:
     grads: dict[str, Tensor]
     norm_sq: Tensor | None = None
     work: Any = None
+    finish: Callable[[], Tensor | None] | None = None  # completes the tied-gradient sums (and the norm)
 
 
 @dataclass
@@ -160,12 +170,14 @@ class StageRuntime:
         start_version: Weight version the parameters hold (non-zero when resuming).
         before_update: Called once per step when the stage's gradient of that step is complete (averaged over
             the replicas, not yet clipped), with the gradient in the parameters' ``.grad``, before the norm for
-            clipping is taken and the update applied. It may read or change the gradients in place.
+            clipping is taken and the update applied. It may read or change the gradients in place. A tied
+            parameter's gradient is still this stage's share (the sum over its stages follows).
         check_finite: Stop with an error naming the step and micro-batch when a loss is NaN or infinite. The
             check never waits for the device: each step's flag is copied to the host without blocking and
             read once the device is done with that step, at the latest two steps later and at every
             :meth:`drain` (so before any validation, checkpoint or the end of training). See
             :class:`FiniteCheck`.
+        ties: Sums the gradients of parameters this stage shares with other stages (tied weights).
     """
 
     kind: str
@@ -188,6 +200,7 @@ class StageRuntime:
     start_version: int = 0
     check_finite: bool = True
     before_update: Callable[[], None] | None = None
+    ties: TiedGradients | None = None
     trace_window: int = 20_000
     events: collections.deque[tuple[str, float, float]] = field(default_factory=collections.deque)
 
@@ -217,6 +230,7 @@ class StageRuntime:
             self.next = Channel(self.next_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage + 1}")
         self._microbatches: dict[int, list[Any]] = {}
         self._inflight: dict[Key, tuple[Tensor, Tensor]] = {}
+        self._pinned: dict[Key, dict[str, Tensor]] = {}  # the weights each in-flight micro-batch runs on
         self._received: dict[Key, Tensor] = {}
         self._input_grads: dict[Key, Tensor] = {}
         self._losses: dict[int, list[Tensor]] = {}
@@ -407,13 +421,16 @@ class StageRuntime:
                 y = self.loss_fn(y, microbatch)
                 self._losses.setdefault(a.step, []).append(y.detach())
         self._inflight[key] = (x, y)
+        self._pinned[key] = weights
 
     def _backward(self, key: Key) -> None:
         x, y = self._inflight.pop(key)
-        if self.is_last:
-            (y / self.num_microbatches).backward()
-        else:
-            torch.autograd.backward(y, self._input_grads.pop(key))
+        # A layer that recomputes its forward here must see the weights the forward saw.
+        with _reparametrize_module(self.module, self._pinned.pop(key), tie_weights=True):
+            if self.is_last:
+                (y / self.num_microbatches).backward()
+            else:
+                torch.autograd.backward(y, self._input_grads.pop(key))
         if not self.is_first:
             self._input_grads[key] = x.grad
 
@@ -431,12 +448,19 @@ class StageRuntime:
         if self.before_update is not None:
             self._call_before_update(grads)
         pending = _PendingUpdate(step, grads)
+        tied = self.ties.local_names if self.ties is not None else set()
         if self.clip_grad_norm is not None:
-            norms = [torch.linalg.vector_norm(g.float()) for g in grads.values()]
+            # A tied parameter's norm is that of its summed gradient, counted once (added by `ties`).
+            norms = [torch.linalg.vector_norm(g.float()) for n, g in grads.items() if n not in tied]
             local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
             pending.norm_sq = local.reshape(1)
-            if self.num_stages > 1:
+            if self.ties is not None:
+                pending.finish = self.ties.start(grads, pending.norm_sq, self.norm_group)
+            elif self.num_stages > 1:
                 pending.work = dist.all_reduce(pending.norm_sq, group=self.norm_group, async_op=True)
+            self._pending.append(pending)
+        elif self.ties is not None:
+            pending.finish = self.ties.start(grads)
             self._pending.append(pending)
         else:
             self._apply_update(pending)
@@ -468,6 +492,10 @@ class StageRuntime:
             pending = self._pending.pop(0)
             if pending.work is not None:
                 pending.work.wait()
+            if pending.finish is not None:
+                norm_sq = pending.finish()
+                if norm_sq is not None:
+                    pending.norm_sq = norm_sq
             self._apply_update(pending)
 
     @torch.no_grad()
