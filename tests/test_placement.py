@@ -102,3 +102,54 @@ def test_20b_parameter_gpt_is_partitioned_on_the_meta_device(capsys):
     assert all(p.is_meta for p in model.parameters())
     assert _rss_mb() - before < 500
     assert "stage 63" in capsys.readouterr().out
+
+
+def _stage_tensors(root):
+    return {id(t) for t in (*root.parameters(), *root.buffers())}
+
+
+def test_second_reference_to_the_layers_is_replaced_too():
+    """An adapter that keeps `self.alias` beside `self.layers` (or a submodule of a layer under another
+    name) holds only the stage's own layers after placement."""
+    from lightning_async_pp.pipeline.placement import RemoteLayer, keep_only_layers
+    from toy_run import ToyLM
+
+    model = ToyLM(alias=True, tie_embedding=True)
+    model.head_norm = model.layers[4].norm  # a module inside a layer, reached by a second path
+    layers = list(model.pipeline_layers())
+    keep_only_layers(model, layers, range(0, 2), owner_of=[0, 0, 1, 1, 1])
+    own = {id(t) for layer in layers[:2] for t in (*layer.parameters(), *layer.buffers())}
+    assert _stage_tensors(model) == own  # the tied head weight stays through the embedding only
+    assert isinstance(model.alias[3], RemoteLayer) and isinstance(model.head_norm, RemoteLayer)
+    assert model.alias[0] is layers[0]
+    assert sorted(model.state_dict()) == ["alias.0.table.weight", "alias.1.down.bias", "alias.1.down.weight",
+                                          "alias.1.up.bias", "alias.1.up.weight", "layers.0.table.weight",
+                                          "layers.1.down.bias", "layers.1.down.weight", "layers.1.up.bias",
+                                          "layers.1.up.weight"]
+
+
+def test_a_direct_reference_to_another_stages_tensor_is_refused():
+    from lightning_async_pp.pipeline.placement import keep_only_layers
+    from toy_run import ToyLM
+
+    model = ToyLM()
+    model.register_parameter("shortcut", model.layers[3].up.weight)
+    with pytest.raises(ValueError, match="`shortcut` of ToyLM is a tensor of pipeline layer 3"):
+        keep_only_layers(model, list(model.pipeline_layers()), range(0, 2), owner_of=[0, 0, 1, 1, 1])
+
+
+def test_module_with_a_second_reference_to_its_layers_on_two_stages(tmp_path):
+    """Each stage keeps only its own parameters, and the trained model equals the one-device run."""
+    from toy_run import reference_toy, run_toy
+
+    args = ("--schedule", "2bw", "--microbatches", "2", "--split-points", "2", "--alias")
+    result, weights, _ = run_toy(tmp_path, 2, *args)
+    ref_losses, ref_weights, _ = reference_toy(*args)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert sorted(weights) == sorted(ref_weights)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # Rank 0 is the last stage (layers 2-4), rank 1 the first (layers 0-1).
+    for rank, own in ((0, range(2, 5)), (1, range(0, 2))):
+        names = torch.load(tmp_path / f"weights_rank{rank}.pt")
+        assert {int(n.split(".")[1]) for n in names} == set(own), names
