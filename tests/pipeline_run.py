@@ -82,6 +82,7 @@ def main(argv=None) -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--split-points", type=str, default=None)
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--tie-weights", action="store_true")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--ckpt-path", default=None)
@@ -94,7 +95,8 @@ def main(argv=None) -> None:
     if args.accelerator == "cpu":
         torch.set_num_threads(1)
 
-    model = tiny_gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, optimizer=make_optimizer(args.optimizer))
+    model = tiny_gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, optimizer=make_optimizer(args.optimizer),
+                     tie_weights=args.tie_weights)
     split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
     strategy = AsyncPipelineStrategy(
         schedule=args.schedule, num_microbatches=args.microbatches, split_points=split_points,

@@ -107,3 +107,21 @@ def reference_replicated(args, steps, replicas):
     strategy = AsyncPipelineStrategy(schedule=parsed.schedule, num_microbatches=replicas * parsed.microbatches)
     losses = fit(model, batches, strategy=strategy)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, model
+
+
+def test_demo_gpt_with_tied_weights_on_two_stages_equals_one_device(tmp_path):
+    from helpers import fit, random_batches, tiny_gpt
+    from lightning_async_pp import AsyncPipelineStrategy
+    from pipeline_run import make_optimizer
+    from test_pipeline_exactness import run_pipeline
+
+    # SGD: the attention key bias has a zero gradient in exact arithmetic, and Adam would turn the rounding
+    # noise of the tied gradient's other summation order into lr-sized steps (see test_data_parallel).
+    model = tiny_gpt(n_layer=4, tie_weights=True, optimizer=make_optimizer("sgd"))
+    assert model.layers[-1].lm_head.weight is model.layers[0].tok.weight
+    assert len(list(model.parameters())) == len(list(tiny_gpt(n_layer=4).parameters())) - 1
+    result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 6, "sgd", "--tie-weights")
+    torch.set_num_threads(1)
+    ref_losses = fit(model, random_batches(6), strategy=AsyncPipelineStrategy(schedule="2bw", num_microbatches=2))
+    assert_same_run(result, weights, ref_losses, {k: v.detach() for k, v in model.state_dict().items()})
+    assert torch.equal(weights["layers.0.tok.weight"], weights["layers.5.lm_head.weight"])

@@ -3,8 +3,9 @@
 The model is a flat sequence of layers, ``[Embedding, Block, ..., Block, Head]``, each a module that maps
 one tensor to one tensor. That is the whole pipeline contract (see
 :mod:`lightning_async_pp.pipeline.contract`): a pipeline places consecutive layers on consecutive stages and
-streams activations between them. The output head is deliberately *not* tied to the embedding, because
-the two live on different stages.
+streams activations between them. With ``tie_weights=True`` the output head reuses the token embedding
+matrix, as GPT-2 does; the two usually land on the first and the last stage, which then each keep a copy
+that the strategy keeps identical (see :mod:`lightning_async_pp.pipeline.ties`).
 
 Every layer is initialised from its own seed (``init_seed + layer index``), so a stage that builds only its
 own layers gets exactly the weights the whole model would have.
@@ -86,13 +87,20 @@ class Head(nn.Module):
         return self.lm_head(self.ln(x))
 
 
-def init_layer(layer: nn.Module, seed: int) -> None:
-    """GPT-2 style initialisation of one layer from its own seed (N(0, 0.02) weights, zero biases)."""
+def init_layer(layer: nn.Module, seed: int, keep: Sequence[Tensor] = ()) -> None:
+    """GPT-2 style initialisation of one layer from its own seed (N(0, 0.02) weights, zero biases).
+
+    Args:
+        layer: The layer.
+        seed: Its seed.
+        keep: Weights to leave as they are (a tied weight that an earlier layer initialises).
+    """
     if any(p.is_meta for p in layer.parameters()):
         return  # built on the meta device: the pipeline stage that owns the layer initialises it
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    keep_ids = {id(t) for t in keep}
     for module in layer.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in keep_ids:
             weight = torch.randn(module.weight.shape, generator=generator) * 0.02
             with torch.no_grad():
                 module.weight.copy_(weight.to(module.weight.device))
@@ -122,6 +130,8 @@ class GPT(PipelineModule):
             ``min_lr_ratio`` of the peak, over the trainer's estimated number of steps.
         warmup_fraction: Share of the steps spent in linear warm-up (``"cosine"`` only).
         min_lr_ratio: Final learning rate as a fraction of the peak (``"cosine"`` only).
+        tie_weights: The output head's matrix is the token embedding's (one parameter, initialised by the
+            embedding). In a pipeline the first and last stages each hold a copy, kept identical.
     """
 
     def __init__(
@@ -136,6 +146,7 @@ class GPT(PipelineModule):
         lr_schedule: Literal["constant", "cosine"] = "cosine",
         warmup_fraction: float = 0.1,
         min_lr_ratio: float = 0.1,
+        tie_weights: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -145,6 +156,8 @@ class GPT(PipelineModule):
             + [Block(n_embd, n_head) for _ in range(n_layer)]
             + [Head(n_embd, vocab_size)]
         )
+        if tie_weights:
+            self.layers[-1].lm_head.weight = self.layers[0].tok.weight
         self.reset_parameters()
         self.val_loss, self.val_perplexity = MeanMetric(), Perplexity()
         self.test_loss, self.test_perplexity = MeanMetric(), Perplexity()
@@ -167,7 +180,9 @@ class GPT(PipelineModule):
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
 
     def reset_pipeline_layer(self, index: int, layer: nn.Module) -> None:
-        init_layer(layer, self.hparams.init_seed + index)
+        # A tied head keeps the embedding's values: the first layer that uses a tied weight initialises it.
+        tied_head = self.hparams.tie_weights and index == len(self.layers) - 1
+        init_layer(layer, self.hparams.init_seed + index, keep=[layer.lm_head.weight] if tied_head else ())
 
     def pipeline_validation_step(self, output: Tensor, batch: Batch, batch_idx: int) -> None:
         self.evaluation_metrics("val", self.val_loss, self.val_perplexity, output, batch)
