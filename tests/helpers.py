@@ -167,3 +167,13 @@ def conv_batches(num_batches: int, dims: int = 1, batch_size: int = 8, seed: int
         (torch.randn(batch_size, 2, *shape, generator=generator), torch.randint(0, 4, (batch_size,), generator=generator))
         for _ in range(num_batches)
     ]
+
+
+def save_stage(trainer, model, out: Path, save_checkpoint: bool) -> int:
+    """In a training script: the checkpoint (if asked) and this rank's state dict; returns the rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    if save_checkpoint:
+        trainer.save_checkpoint(out / "final.ckpt")
+    rank = trainer.global_rank
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"weights_rank{rank}.pt")
+    return rank

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import loader, random_batches, tiny_gpt  # noqa: E402
+from helpers import loader, random_batches, save_stage, tiny_gpt  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 
@@ -115,11 +115,7 @@ def main(argv=None) -> None:
     trainer.fit(model, train_dataloaders=loader(batches), ckpt_path=args.ckpt_path)
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.save_checkpoint:
-        trainer.save_checkpoint(out / "final.ckpt")
-    rank = trainer.global_rank
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"weights_rank{rank}.pt")
+    rank = save_stage(trainer, model, out, args.save_checkpoint)
     if rank == 0:
         stage_bubbles = {
             str(stage): [r.bubble_fraction for r in records] for stage, records in strategy.stage_stats.items()

@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.pipeline.recompute import checkpoint_layers, select_layers
+from test_ties import print_differences
 from toy_run import Block, Embed, Head, reference_toy, run_toy
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -15,6 +16,7 @@ BASE = ("--schedule", "2bw", "--microbatches", "2", "--split-points", "2")
 
 
 def assert_same_run(losses, weights, ref_losses, ref_weights):
+    print_differences(losses, weights, ref_losses, ref_weights)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     assert sorted(weights) == sorted(ref_weights)
     for name, value in ref_weights.items():

@@ -10,7 +10,15 @@ from toy_run import ToyLM, reference_toy, run_toy
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+def print_differences(losses, weights, ref_losses, ref_weights):
+    """The measured distance to the reference (shown with `pytest -s`)."""
+    loss = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    weight = max((weights[k] - v).abs().max().item() for k, v in ref_weights.items() if k in weights)
+    print(f"max |loss - reference| {loss:.2e}, max |weight - reference| {weight:.2e}")
+
+
 def assert_same_run(result, weights, ref_losses, ref_weights):
+    print_differences(result["losses"], weights, ref_losses, ref_weights)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), **TOL)
     assert sorted(weights) == sorted(ref_weights)
     for name, value in ref_weights.items():

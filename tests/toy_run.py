@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import loader, random_batches  # noqa: E402
+from helpers import loader, random_batches, run_script, save_stage  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 
@@ -184,22 +184,8 @@ def strategy_kwargs(args) -> dict:
 
 def run_toy(out: Path, devices: int, *args: str, timeout: float = 420):
     """Run this script on ``devices`` processes; returns (result, merged weights, per-rank tied records)."""
-    import os
-    import subprocess
-
-    import pytest
-
-    command = [sys.executable, __file__, "--devices", str(devices), "--out", str(out), *args]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"toy run timed out after {timeout}s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    code, output = run_script([sys.executable, __file__, "--devices", str(devices), "--out", str(out), *args], timeout)
+    assert code == 0, output[-6000:]
     result = json.loads((out / "result.json").read_text())
     weights, tied = {}, []
     for rank in range(devices):
@@ -263,11 +249,7 @@ def main(argv=None) -> None:
     trainer.fit(model, train_dataloaders=loader(batches))
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.save_checkpoint:
-        trainer.save_checkpoint(out / "final.ckpt")
-    rank = trainer.global_rank
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights_rank{rank}.pt")
+    rank = save_stage(trainer, model, out, args.save_checkpoint)
     torch.save(recorder.tied, out / f"tied_rank{rank}.pt")
     if rank == 0:
         (out / "result.json").write_text(json.dumps({"losses": recorder.losses}))
