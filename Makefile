@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test]"
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,hf]"
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -651,7 +651,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def _microbatch_forward(self, module: LightningModule, batch: Any) -> list[Tensor]:
         layers = module.pipeline_layers()
         microbatches = split_microbatches(batch, self.num_microbatches)
-        return [module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb)), mb) for mb in microbatches]
+        return [module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb) for mb in microbatches]
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -21,6 +21,11 @@ the loss of the whole batch. Two methods are optional:
 :class:`lightning_async_pp.PipelineModule` is a ``LightningModule`` base class that derives ``forward`` and
 the ``*_step`` methods from this contract, so the module runs unchanged without the strategy.
 
+A layer that needs more than the previous layer's output (attention masks, position ids) may read the
+micro-batch itself: give it a class attribute ``reads_batch = True`` and it is called as
+``layer(x, batch)``. Every stage holds every micro-batch, so such values are recomputed where they are
+needed instead of travelling between stages.
+
 Nothing is traced: the strategy calls these methods and nothing else, so what runs is what you wrote.
 """
 
@@ -65,7 +70,20 @@ def require_pipeline_module(module: Any, reason: str) -> None:
         )
 
 
-def run_layers(layers: Sequence[nn.Module], x: Tensor) -> Tensor:
+def reads_batch(layer: nn.Module) -> bool:
+    """Whether ``layer`` is called as ``layer(x, batch)`` (it set ``reads_batch = True``)."""
+    return bool(getattr(layer, "reads_batch", False))
+
+
+def run_layers(layers: Sequence[nn.Module], x: Any, batch: Any = None) -> Any:
+    """Run ``layers`` in order on ``x``; layers that read the batch get ``batch`` (``None`` when there is none)."""
     for layer in layers:
-        x = layer(x)
+        x = layer(x, batch) if reads_batch(layer) else layer(x)
     return x
+
+
+class Stage(nn.Sequential):
+    """Consecutive pipeline layers as one module, called as ``stage(x, batch)``."""
+
+    def forward(self, x: Any, batch: Any = None) -> Any:
+        return run_layers(self, x, batch)

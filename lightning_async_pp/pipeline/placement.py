@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.pipeline.contract import reads_batch
 from lightning_async_pp.pipeline.partition import (
     balanced_partition,
     count_parameters,
@@ -165,7 +166,7 @@ def measure_layer_times(
             if cuda:
                 torch.cuda.synchronize(x.device)  # setup time, not the training loop: waiting is fine here
             start = time.perf_counter()
-            out = layer(inp)
+            out = layer(inp, None) if reads_batch(layer) else layer(inp)
             out.backward(torch.ones_like(out))
             if cuda:
                 torch.cuda.synchronize(x.device)

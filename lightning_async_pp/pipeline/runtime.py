@@ -40,6 +40,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim import Optimizer
 
 from lightning_async_pp.pipeline.comm import Channel
+from lightning_async_pp.pipeline.contract import Stage
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 from lightning_async_pp.pipeline.schedule import (
     Action,
@@ -206,7 +207,7 @@ class StageRuntime:
 
     def __post_init__(self) -> None:
         validate(self.kind, self.num_stages, self.num_microbatches)
-        self.module = nn.Sequential(*self.layers)
+        self.module = Stage(*self.layers)
         self.params = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
         self.num_buffers = 2 if self.kind == "2bw" else 1
         # The newest version's buffer aliases the parameters; the other 2BW buffer starts as a copy
@@ -336,7 +337,7 @@ class StageRuntime:
                 channel.forget_layout()  # evaluation batches may differ in size (the last one often does)
         x = self.inputs_fn(batch) if self.is_first else _unpack(self.prev.recv())
         with self.forward_context():
-            y = self.module(x)
+            y = self.module(x, batch)
         if not self.is_last:
             self.next.send(_pack(y))
             return None
@@ -416,7 +417,7 @@ class StageRuntime:
         weights = self.buffers[a.version % self.num_buffers]
         self.versions_used[a.step] = a.version
         with self.forward_context():
-            y = functional_call(self.module, weights, (x,))
+            y = functional_call(self.module, weights, (x, microbatch))
             if self.is_last:
                 y = self.loss_fn(y, microbatch)
                 self._losses.setdefault(a.step, []).append(y.detach())

@@ -1,0 +1,25 @@
+"""Language models from other libraries as pipeline-ready ``LightningModule``s.
+
+:class:`CausalLM` wraps a Hugging Face ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, GPT-2) and
+:class:`TokenizedTextDataModule` feeds it packed token sequences. ``transformers`` is an optional extra
+(``pip install "lightning-async-pp[hf]"``): it is imported when one of these names is first used, never by
+``import lightning_async_pp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CausalLM", "TokenizedTextDataModule"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CausalLM":
+        from lightning_async_pp.models.hf import CausalLM
+
+        return CausalLM
+    if name == "TokenizedTextDataModule":
+        from lightning_async_pp.models.data import TokenizedTextDataModule
+
+        return TokenizedTextDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,497 @@
+"""A Hugging Face ``transformers`` causal LM as a pipeline-ready ``LightningModule``.
+
+The model is cut into the layers the pipeline contract asks for::
+
+    [Embedding, DecoderLayer 0, ..., DecoderLayer N-1, Head]
+
+Only the hidden states travel between stages. The attention mask and the rotary position tensors are
+recomputed by every decoder layer from the micro-batch (the layers set ``reads_batch = True``), as
+torchtitan does: for a Llama-8B-shaped stage boundary (batch 1, 4096 tokens, bf16) the hidden states are
+32 MiB and a padding mask alone would add 16 MiB (bool, ``T x T``), while recomputing mask and rotary
+tables costs well under a millisecond per layer (``benchmarks/hf_boundary.py`` measures both).
+
+The model is built on the meta device. A stage materialises only its own layers: from the configuration's
+initialisation (every layer from its own seed, so one stage and the whole model agree) or, with
+``pretrained``, by reading only that layer's tensors from the folder's safetensors files.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor, nn
+
+from lightning_async_pp.demos.gpt import cosine_with_warmup
+from lightning_async_pp.pipeline.contract import run_layers
+
+try:
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "lightning_async_pp.models needs Hugging Face transformers: pip install \"lightning-async-pp[hf]\" "
+        f"(transformers {'>=5.24,<5.25'}). ({error})"
+    ) from error
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+"""``model_type`` values the adapter knows how to cut into layers (and that the tests cover)."""
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+# --- pipeline layers -----------------------------------------------------------------------------------
+
+
+def _input_ids(batch: Any) -> Tensor:
+    if isinstance(batch, Tensor):
+        return batch
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        return batch["input_ids"]
+    raise TypeError(
+        "CausalLM reads batches that are a tensor of token ids or a dict with 'input_ids' (and optionally "
+        "'labels', 'attention_mask', 'position_ids'), as TokenizedTextDataModule and Hugging Face collators "
+        f"produce; got {type(batch).__name__}. Labels are shifted inside the loss, as in transformers."
+    )
+
+
+def _get(batch: Any, key: str) -> Tensor | None:
+    return batch.get(key) if isinstance(batch, Mapping) else None
+
+
+def _position_ids(batch: Any, hidden: Tensor) -> Tensor:
+    positions = _get(batch, "position_ids")
+    if positions is None:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    return positions
+
+
+class Embedding(nn.Module):
+    """Token embedding (plus GPT-2's learned positions and dropout): ``(B, T)`` ids to hidden states."""
+
+    reads_batch = True
+
+    def __init__(self, embed_tokens: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.wpe = wpe
+        self.drop = drop
+
+    def forward(self, input_ids: Tensor, batch: Any = None) -> Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.wpe is not None:
+            hidden = hidden + self.wpe(_position_ids(batch, hidden))
+        if self.drop is not None:
+            hidden = self.drop(hidden)
+        return hidden
+
+
+class DecoderLayer(nn.Module):
+    """One Hugging Face decoder layer; it rebuilds its attention mask and rotary tables from the micro-batch.
+
+    Args:
+        layer: The ``transformers`` decoder layer (``LlamaDecoderLayer``, ``GPT2Block``, ...).
+        rotary_emb: This layer's own copy of the model's rotary embedding (``None`` for GPT-2).
+        config: The model configuration (read by the mask functions).
+        attention_type: ``"full_attention"`` or ``"sliding_attention"``.
+    """
+
+    reads_batch = True
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module | None, config: Any, attention_type: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+        self.config = config
+        self.attention_type = attention_type
+
+    def forward(self, hidden: Tensor, batch: Any = None) -> Tensor:
+        position_ids = _position_ids(batch, hidden)
+        attention_mask = _get(batch, "attention_mask")
+        if attention_mask is not None and attention_mask.dim() < 4:
+            attention_mask = attention_mask.view(hidden.shape[0], -1)
+        make_mask = create_sliding_window_causal_mask if self.attention_type == "sliding_attention" else create_causal_mask
+        mask = make_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=position_ids
+        )
+        kwargs: dict[str, Any] = {}
+        if self.rotary_emb is not None:
+            kwargs["position_embeddings"] = self.rotary_emb(hidden, position_ids)
+        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Head(nn.Module):
+    """Final norm and the projection to vocabulary logits."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def _attention_types(config: Any) -> list[str]:
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)[:n]
+    if getattr(config, "sliding_window", None) is not None and config.model_type != "gpt2":
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
+
+
+def _refuse_unsupported(config: Any) -> None:
+    model_type = getattr(config, "model_type", None)
+    if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise ValueError(
+            f"CausalLM does not support mixture-of-experts models (model_type={model_type!r}): their routers "
+            "need a load-balancing loss and expert placement that the pipeline does not provide. Supported "
+            f"model types: {', '.join(SUPPORTED)}."
+        )
+    if any(hasattr(config, key) for key in ("vision_config", "audio_config")) or (
+        getattr(config, "text_config", None) is not None and config.text_config is not config
+    ):
+        raise ValueError(
+            f"CausalLM does not support multimodal models (model_type={model_type!r}); train the text decoder "
+            f"as its own causal LM instead. Supported model types: {', '.join(SUPPORTED)}."
+        )
+    if model_type not in SUPPORTED:
+        raise ValueError(
+            f"CausalLM does not know how to cut model_type={model_type!r} into pipeline layers. Supported model "
+            f"types: {', '.join(SUPPORTED)}. Other architectures can implement the pipeline contract directly "
+            "(see docs/user-guide.md)."
+        )
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError("CausalLM does not support cross-attention (config.add_cross_attention=True).")
+
+
+def _split(model: nn.Module) -> list[nn.Module]:
+    """The pipeline layers of a ``transformers`` causal LM built on the meta device."""
+    config = model.config
+    types = _attention_types(config)
+    if config.model_type == "gpt2":
+        body = model.transformer
+        embedding = Embedding(body.wte, body.wpe, body.drop)
+        blocks, norm, rotary = body.h, body.ln_f, None
+    else:
+        body = model.model
+        embedding = Embedding(body.embed_tokens)
+        blocks, norm, rotary = body.layers, body.norm, body.rotary_emb
+    decoders = [
+        DecoderLayer(block, copy.deepcopy(rotary) if rotary is not None else None, config, types[i])
+        for i, block in enumerate(blocks[: config.num_hidden_layers])
+    ]
+    return [embedding, *decoders, Head(norm, model.lm_head)]
+
+
+# --- checkpoint files -----------------------------------------------------------------------------------
+
+
+class SafetensorsFolder:
+    """Lazy, per-key access to the safetensors files of a ``save_pretrained`` folder.
+
+    Only the files that hold a requested key are opened, and only the requested tensors are read.
+    ``read`` lists every key read, for tests and logs.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / SAFETENSORS_INDEX
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / SAFETENSORS_SINGLE).is_file():
+            with safe_open(str(self.folder / SAFETENSORS_SINGLE), framework="pt") as f:
+                self.weight_map = {key: SAFETENSORS_SINGLE for key in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"{self.folder} has no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}. Point `pretrained` at a folder "
+                "written by `save_pretrained(..., safe_serialization=True)` (PyTorch .bin files are not read)."
+            )
+        self.read: list[str] = []
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def load(self, keys: Mapping[str, Tensor]) -> None:
+        """Copy the tensor stored under each key into the given (materialised) tensor."""
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.weight_map[key], []).append(key)
+        for filename, names in by_file.items():
+            with safe_open(str(self.folder / filename), framework="pt") as f:
+                for key in names:
+                    target = keys[key]
+                    value = f.get_tensor(key)
+                    if tuple(value.shape) != tuple(target.shape):
+                        raise ValueError(
+                            f"{key} in {self.folder} has shape {tuple(value.shape)}, the model expects "
+                            f"{tuple(target.shape)}: the folder's config.json does not match its weights."
+                        )
+                    target.copy_(value)
+                    self.read.append(key)
+
+
+# --- the LightningModule ----------------------------------------------------------------------------------
+
+
+class CausalLM(LightningModule):
+    """A Hugging Face causal language model, ready for pipeline parallelism.
+
+    Give either ``model_type`` with ``config`` (a new model, initialised as ``transformers`` would) or
+    ``pretrained`` (a local ``save_pretrained`` folder with safetensors weights). The model is built on the
+    meta device; ``configure_model`` (called by the Trainer) materialises it on one device, and a pipeline
+    stage materialises only its own layers, reading only their tensors from the files. Outside a Trainer,
+    call ``model.configure_model()`` before use.
+
+    Batches are dicts with ``input_ids`` and optionally ``labels`` (default: ``input_ids``; ``-100`` is
+    ignored), ``attention_mask`` (1 for tokens, 0 for padding) and ``position_ids``, as in ``transformers``;
+    labels are shifted inside the loss. The loss is the token mean over each micro-batch.
+
+    Args:
+        model_type: A ``transformers`` model type: ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"`` or
+            ``"gpt2"``.
+        config: Keyword arguments of that model type's configuration class (``LlamaConfig`` etc.), e.g.
+            ``hidden_size``, ``num_hidden_layers``. With ``pretrained``, overrides of the saved configuration.
+        pretrained: A local folder written by ``save_pretrained`` (``config.json`` and safetensors files).
+        attn_implementation: ``"sdpa"`` or ``"eager"`` (``transformers``' attention kernels).
+        init_seed: Seed of a new model's initialisation; pipeline layer ``i`` is initialised from
+            ``init_seed + i``.
+        optimizer: Callable that builds the optimizer from ``named_parameters()``; in YAML a
+            ``class_path``/``init_args`` pair. Default: ``DelayCorrected(Muon(lr=0.02, adamw_lr=3e-3,
+            weight_decay=0.1))``.
+        lr_schedule: ``"constant"``, or ``"cosine"``: linear warm-up then cosine decay to ``min_lr_ratio``.
+        warmup_fraction: Share of the steps spent in linear warm-up (``"cosine"`` only).
+        min_lr_ratio: Final learning rate as a fraction of the peak (``"cosine"`` only).
+
+    Raises:
+        ValueError: For unsupported architectures (mixture-of-experts, multimodal, cross-attention, model
+            types outside ``SUPPORTED``), or when neither or both of ``model_type`` and ``pretrained`` are given.
+    """
+
+    def __init__(
+        self,
+        model_type: str | None = None,
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        attn_implementation: Literal["sdpa", "eager"] = "sdpa",
+        init_seed: int = 0,
+        optimizer: OptimizerCallable | None = None,
+        lr_schedule: Literal["constant", "cosine"] = "cosine",
+        warmup_fraction: float = 0.1,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if (model_type is None) == (pretrained is None):
+            raise ValueError(
+                "Give CausalLM either `model_type` (with `config`, for a new model) or `pretrained` (a local "
+                f"save_pretrained folder), not {'both' if model_type else 'neither'}."
+            )
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.optimizer_factory = optimizer
+        overrides = dict(config or {})
+        if pretrained is not None:
+            folder = Path(pretrained).expanduser()
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"`pretrained` must be a local folder written by save_pretrained; {folder} has no config.json."
+                )
+            hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True, **overrides)
+            self.checkpoint: SafetensorsFolder | None = SafetensorsFolder(folder)
+        else:
+            hf_config = AutoConfig.for_model(model_type, **overrides)
+            self.checkpoint = None
+        _refuse_unsupported(hf_config)
+        hf_config._attn_implementation = attn_implementation
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+        model.train()
+        # The `transformers` model is kept outside the module tree: its modules live on in the pipeline layers,
+        # which are the only registered owners of the parameters (a stage drops the layers it does not run).
+        self._hf = [model]
+        self.hf_config = model.config
+        self.tied = bool(self.hf_config.tie_word_embeddings) if hasattr(self.hf_config, "tie_word_embeddings") else False
+        self.tied = self.tied and model.lm_head.weight is model.get_input_embeddings().weight
+        self.layers = nn.ModuleList(_split(model))
+        hf_names: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            hf_names.setdefault(id(param), []).append(name)
+        self._hf_names = {
+            name: hf_names[id(param)] for name, param in self.named_parameters(remove_duplicate=False)
+        }
+        self._batch_start: float | None = None
+
+    # --- names -------------------------------------------------------------------------------------------
+
+    def hf_name(self, name: str) -> str:
+        """The ``transformers`` parameter name of one of this module's parameters (``"layers.1.layer.mlp..."``)."""
+        return self._hf_names[name][0]
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """This process's parameters under their ``transformers`` names (load them with ``load_state_dict``)."""
+        return {
+            self.hf_name(name): param.detach()
+            for name, param in self.named_parameters(remove_duplicate=False)
+            if not param.is_meta
+        }
+
+    # --- materialising ---------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        """Materialise every layer on this module's device, unless the strategy builds stages on the meta device."""
+        if torch.empty(0).is_meta:
+            return  # a pipeline stage: the strategy materialises only its own layers
+        device = self.device if self.device.type != "meta" else torch.device("cpu")
+        self._materialize_all(device)
+
+    def _materialize_all(self, device: torch.device) -> None:
+        for index, layer in enumerate(self.layers):
+            if any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+                layer.to_empty(device=device)
+                self.reset_pipeline_layer(index, layer)
+
+    @torch.no_grad()
+    def reset_pipeline_layer(self, index: int, layer: nn.Module) -> None:
+        """Initialise (or load) one materialised pipeline layer, exactly as the whole model would be."""
+        self._retie(layer)
+        if self.checkpoint is None:
+            self._initialize(index, layer)
+        else:
+            self._initialize(index, layer, buffers_only=True)
+            self._load(layer)
+
+    def _retie(self, layer: nn.Module) -> None:
+        # `to_empty` gives each materialised layer new parameters; the head takes the embedding's again when
+        # both live in this process.
+        if not self.tied:
+            return
+        embedding, head = self.layers[0], self.layers[-1]
+        if isinstance(embedding, Embedding) and isinstance(head, Head) and layer in (embedding, head):
+            if not embedding.embed_tokens.weight.is_meta:
+                head.lm_head.weight = embedding.embed_tokens.weight
+
+    def _initialize(self, index: int, layer: nn.Module, buffers_only: bool = False) -> None:
+        model = self._hf[0]
+        device = next(iter((*layer.parameters(), *layer.buffers())), torch.empty(0)).device
+        # Initialise on the CPU from the layer's own seed, so the weights do not depend on the device or on
+        # which other layers this process holds; children before parents, as transformers does.
+        shadow = copy.deepcopy(layer).to("cpu") if device.type != "cpu" else layer
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.hparams.init_seed + index)
+            for module in _post_order(shadow):
+                if buffers_only and "RotaryEmbedding" not in type(module).__name__:
+                    continue
+                model._init_weights(module)
+        if shadow is not layer:
+            for target, source in zip((*layer.parameters(), *layer.buffers()), (*shadow.parameters(), *shadow.buffers())):
+                target.copy_(source)
+        if self.tied and isinstance(layer, Embedding) and isinstance(self.layers[-1], Head):
+            self._retie(self.layers[-1])
+
+    def _load(self, layer: nn.Module) -> None:
+        assert self.checkpoint is not None
+        prefix = next(name for name, module in self.named_modules() if module is layer)
+        wanted: dict[str, Tensor] = {}
+        for name, param in layer.named_parameters(prefix=prefix, remove_duplicate=False):
+            if self.tied and isinstance(layer, Head) and name.endswith("lm_head.weight"):
+                if not isinstance(self.layers[0], Embedding) or self.layers[0].embed_tokens.weight is not param:
+                    raise NotImplementedError(_TIED_ACROSS_STAGES)
+                continue  # the embedding's tensor, already loaded
+            key = next((n for n in self._hf_names[name] if n in self.checkpoint), None)
+            if key is None:
+                raise KeyError(
+                    f"{self.checkpoint.folder} has no tensor for {self._hf_names[name][0]} (parameter {name}). "
+                    "The folder's weights do not match its config.json."
+                )
+            wanted[key] = param
+        self.checkpoint.load(wanted)
+
+    # --- pipeline contract -----------------------------------------------------------------------------
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        return self.layers
+
+    def pipeline_inputs(self, batch: Any) -> Tensor:
+        return _input_ids(batch)
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        labels = _get(batch, "labels")
+        if labels is None:
+            labels = _input_ids(batch)
+        return self._hf[0].loss_function(logits=output, labels=labels, vocab_size=self.hf_config.vocab_size)
+
+    def pipeline_validation_step(self, output: Tensor, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", self.pipeline_loss(output, batch), prog_bar=True)
+
+    # --- plain LightningModule -------------------------------------------------------------------------
+
+    def forward(self, batch: Any) -> Tensor:
+        """Logits of a batch (a dict with ``input_ids``, or a tensor of ids)."""
+        return run_layers(self.layers, _input_ids(batch), batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.pipeline_loss(self(batch), batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.pipeline_validation_step(self(batch), batch, batch_idx)
+
+    def setup(self, stage: str) -> None:
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if self.tied and getattr(strategy, "num_stages", 1) > 1 and not _ties_supported():
+            raise NotImplementedError(_TIED_ACROSS_STAGES)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        if self._batch_start is not None:
+            elapsed = time.perf_counter() - self._batch_start
+            self.log("train/tokens_per_sec", _input_ids(batch).numel() / max(elapsed, 1e-9))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_factory is None:
+            from lightning_async_pp.optim import DelayCorrected, Muon
+
+            optimizer = DelayCorrected(Muon(self.named_parameters(), lr=0.02, adamw_lr=3e-3, weight_decay=0.1))
+        else:
+            optimizer = self.optimizer_factory(self.named_parameters())
+        if self.hparams.lr_schedule == "constant":
+            return optimizer
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        factor = cosine_with_warmup(total, self.hparams.warmup_fraction, self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+_TIED_ACROSS_STAGES = (
+    "This model ties its output head to its input embedding (tie_word_embeddings=True), and the two sit on "
+    "different pipeline stages, which this version cannot keep in sync. Set `config: {tie_word_embeddings: "
+    "false}` (a new model), or train on one device."
+)
+
+
+def _ties_supported() -> bool:
+    return False
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+__all__ = ["CausalLM", "SUPPORTED", "SafetensorsFolder", "Embedding", "DecoderLayer", "Head"]
