@@ -1,0 +1,269 @@
+"""Hugging Face causal LMs through the pipeline: the adapter against transformers' own model and training."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from helpers import fit  # noqa: E402
+from hf_models import adamw, plain_hf_training, tiny_causal_lm, token_batches  # noqa: E402
+import lightning_async_pp  # noqa: E402
+from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp.models import CausalLM  # noqa: E402
+
+RUNNER = Path(__file__).parent / "hf_run.py"
+TIMEOUT = 420
+
+
+def hf_twin(model: CausalLM):
+    """A plain ``transformers`` model holding the adapter's weights."""
+    twin = AutoModelForCausalLM.from_config(model.hf_config)
+    result = twin.load_state_dict(model.hf_state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= ({"lm_head.weight"} if model.tied else set())
+    return twin
+
+
+def materialized(family: str, **kwargs) -> CausalLM:
+    model = tiny_causal_lm(family, **kwargs)
+    model.configure_model()
+    return model
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2", "qwen3"])
+def test_adapter_loss_equals_the_hf_models_own_loss(family, padding):
+    model = materialized(family)
+    assert model.tied == (family == "gpt2")
+    twin = hf_twin(model)
+    batch = token_batches(1, batch_size=3, seq=20, seed=3, padding=padding)[0]
+    ours = model.pipeline_loss(model(batch), batch)
+    theirs = twin(**{"labels": batch["input_ids"], **batch}).loss
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_tied_gpt2_shares_one_tensor_between_embedding_and_head():
+    model = materialized("gpt2")
+    embedding, head = model.layers[0], model.layers[-1]
+    assert head.lm_head.weight is embedding.embed_tokens.weight
+    untied = materialized("gpt2_untied")
+    assert untied.layers[-1].lm_head.weight is not untied.layers[0].embed_tokens.weight
+
+
+def test_layers_are_initialised_from_their_own_seed():
+    """A stage that materialises one layer gets the weights the whole model has."""
+    whole = materialized("llama")
+    alone = tiny_causal_lm("llama")
+    alone.layers[2].to_empty(device="cpu")
+    alone.reset_pipeline_layer(2, alone.layers[2])
+    for (name, a), b in zip(whole.layers[2].state_dict().items(), alone.layers[2].state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(whole.layers[1].layer.mlp.up_proj.weight, whole.layers[2].layer.mlp.up_proj.weight)
+
+
+def test_one_device_1f1b_equals_plain_hf_training():
+    steps, microbatches = 10, 2
+    batches = token_batches(steps)
+    model = tiny_causal_lm("llama", optimizer=adamw)
+    twin_source = materialized("llama")
+    twin = hf_twin(twin_source)
+    losses = fit(model, batches, strategy=AsyncPipelineStrategy(schedule="1f1b", num_microbatches=microbatches))
+    expected = plain_hf_training(twin, batches, microbatches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    final = twin.state_dict()
+    for name, value in model.hf_state_dict().items():
+        torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_import_never_needs_transformers():
+    """Only the adapter module imports transformers at import time, and nothing imports the adapter eagerly.
+
+    (torchmetrics imports transformers by itself when it is installed, so the check is on our modules.)
+    """
+    code = (
+        "import sys, lightning_async_pp, lightning_async_pp.models, lightning_async_pp.cli\n"
+        "assert 'lightning_async_pp.models.hf' not in sys.modules and 'lightning_async_pp.models.data' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    package = Path(lightning_async_pp.__file__).parent
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only: imports inside functions run when used
+            if isinstance(node, ast.Try):
+                node = node.body[0]
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] in ("transformers", "safetensors") for n in names):
+                assert path.name == "hf.py", f"{path} imports {names} at module level"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(model_type="mixtral", config=dict(num_local_experts=4)), "mixture-of-experts"),
+        (dict(model_type="llava"), "multimodal"),
+        (dict(model_type="gemma"), "does not know how to cut model_type='gemma'"),
+        (dict(), "either `model_type`"),
+    ],
+    ids=["moe", "multimodal", "unknown", "nothing"],
+)
+def test_unsupported_models_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CausalLM(**kwargs)
+
+
+# --- multi-process pipelines ------------------------------------------------------------------------------
+
+
+def run_pipeline(out: Path, *args: str) -> tuple[dict, dict, list[dict]]:
+    command = [sys.executable, str(RUNNER), "--out", str(out), *args]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        pytest.fail(f"pipeline run timed out after {TIMEOUT}s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-6000:]
+    result = json.loads((out / "result.json").read_text())
+    devices = int(args[args.index("--devices") + 1])
+    weights, reads = {}, []
+    for rank in range(devices):
+        weights.update(torch.load(out / f"weights_rank{rank}.pt"))
+        reads.append(json.loads((out / f"read_rank{rank}.json").read_text()))
+    return result, weights, reads
+
+
+def assert_same_weights(weights: dict, expected: dict, rtol=1e-5, atol=1e-6) -> None:
+    assert sorted(weights) == sorted(k for k in expected if k in weights) and weights
+    for name, value in weights.items():
+        torch.testing.assert_close(value, expected[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _assert_1f1b_matches_plain_training(tmp_path, devices: int) -> None:
+    steps, microbatches = 10, 2
+    result, weights, _ = run_pipeline(
+        tmp_path, "--family", "llama", "--devices", str(devices), "--schedule", "1f1b",
+        "--microbatches", str(microbatches), "--steps", str(steps),
+    )
+    twin = hf_twin(materialized("llama"))
+    expected = plain_hf_training(twin, token_batches(steps), microbatches)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    final = twin.state_dict()
+    assert sorted(weights) == sorted(final)
+    assert_same_weights(weights, final)
+
+
+def test_1f1b_two_stages_equals_plain_hf_training(tmp_path):
+    _assert_1f1b_matches_plain_training(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_1f1b_three_stages_equals_plain_hf_training(tmp_path):
+    _assert_1f1b_matches_plain_training(tmp_path, 3)
+
+
+def single_device(family: str, schedule: str, microbatches: int, batches, optimizer="corrected_muon", **trainer_kwargs):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_run import make_optimizer
+
+    model = tiny_causal_lm(family, optimizer=make_optimizer(optimizer))
+    losses = fit(model, batches, strategy=AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches),
+                 **trainer_kwargs)
+    return losses, model
+
+
+@pytest.mark.slow
+def test_2bw_two_stages_equals_the_single_device_delayed_path(tmp_path):
+    steps, microbatches = 10, 4
+    result, weights, _ = run_pipeline(
+        tmp_path, "--family", "llama", "--devices", "2", "--schedule", "2bw", "--microbatches", str(microbatches),
+        "--steps", str(steps), "--optimizer", "corrected_muon",
+    )
+    losses, model = single_device("llama", "2bw", microbatches, token_batches(steps))
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    assert_same_weights(weights, model.hf_state_dict())
+
+
+def test_pretrained_folder_each_stage_reads_only_its_own_tensors(tmp_path):
+    source = materialized("llama")
+    twin = hf_twin(source)
+    for parameter in twin.parameters():  # weights unlike any fresh initialisation
+        parameter.data.add_(torch.randn_like(parameter) * 0.05)
+    folder = tmp_path / "pretrained"
+    twin.save_pretrained(folder, max_shard_size="20KB")  # several files, with an index
+    assert (folder / "model.safetensors.index.json").is_file()
+
+    steps = 3
+    result, weights, reads = run_pipeline(
+        tmp_path / "run", "--pretrained", str(folder), "--devices", "2", "--schedule", "1f1b", "--steps", str(steps)
+    )
+    stored = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
+    for record in reads:
+        assert sorted(record["read"]) == sorted(record["owned"])  # each key once, and only its own
+        assert len(record["read"]) < len(stored)
+    assert set().union(*(set(r["read"]) for r in reads)) == stored
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    batch = token_batches(1)[0]
+    with torch.no_grad():
+        own_loss = reloaded(**batch, labels=batch["input_ids"]).loss
+    torch.testing.assert_close(torch.tensor(result["losses"][0]), own_loss, rtol=0, atol=1e-6)
+    expected = plain_hf_training(reloaded, token_batches(steps), microbatches=2)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_padding_and_a_new_sequence_length_after_a_validation_flush(tmp_path):
+    """Padded batches; validation after 4 steps flushes the pipeline, then the batches get 8 tokens longer."""
+    steps, microbatches = 8, 2
+    args = ["--family", "llama", "--devices", "2", "--schedule", "2bw", "--microbatches", str(microbatches),
+            "--steps", str(steps), "--padding", "--val-every", "4", "--optimizer", "corrected_muon"]
+    result, weights, _ = run_pipeline(tmp_path, *args)
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import argparse
+
+    from hf_run import batches_for
+
+    namespace = argparse.Namespace(steps=steps, batch_size=8, seq=16, padding=True, val_every=4)
+    train, val = batches_for(namespace)
+    assert train[3]["input_ids"].shape[1] != train[4]["input_ids"].shape[1]
+    from hf_run import Recorder, make_optimizer
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    model = tiny_causal_lm("llama", optimizer=make_optimizer("corrected_muon"))
+    recorder = Recorder()
+    Trainer(
+        accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(schedule="2bw", num_microbatches=microbatches),
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=4, check_val_every_n_epoch=None,
+        callbacks=[recorder],
+    ).fit(model, DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(recorder.losses), rtol=1e-5, atol=1e-6)
+    assert len(result["val_losses"]) == 2
+    torch.testing.assert_close(torch.tensor(result["val_losses"]), torch.tensor(recorder.val_losses), rtol=1e-5, atol=1e-6)
+    assert_same_weights(weights, model.hf_state_dict())
+
+
+def test_tied_embeddings_across_stages_are_refused_with_a_clear_message(tmp_path):
+    command = [sys.executable, str(RUNNER), "--out", str(tmp_path), "--family", "gpt2", "--devices", "2", "--steps", "2"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    output = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env, start_new_session=True)
+    assert output.returncode != 0
+    assert "tie_word_embeddings" in output.stdout + output.stderr
+
