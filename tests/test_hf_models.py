@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from helpers import fit  # noqa: E402
+from helpers import fit, run_script  # noqa: E402
 from hf_models import adamw, plain_hf_training, tiny_causal_lm, token_batches  # noqa: E402
 import lightning_async_pp  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -127,17 +126,8 @@ def test_unsupported_models_are_refused(kwargs, message):
 
 
 def run_pipeline(out: Path, *args: str) -> tuple[dict, dict, list[dict]]:
-    command = [sys.executable, str(RUNNER), "--out", str(out), *args]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"pipeline run timed out after {TIMEOUT}s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    returncode, output = run_script([sys.executable, str(RUNNER), "--out", str(out), *args], TIMEOUT)
+    assert returncode == 0, output[-6000:]
     result = json.loads((out / "result.json").read_text())
     devices = int(args[args.index("--devices") + 1])
     weights, reads = {}, []
@@ -262,8 +252,7 @@ def test_padding_and_a_new_sequence_length_after_a_validation_flush(tmp_path):
 
 def test_tied_embeddings_across_stages_are_refused_with_a_clear_message(tmp_path):
     command = [sys.executable, str(RUNNER), "--out", str(tmp_path), "--family", "gpt2", "--devices", "2", "--steps", "2"]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    output = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env, start_new_session=True)
-    assert output.returncode != 0
-    assert "tie_word_embeddings" in output.stdout + output.stderr
+    returncode, output = run_script(command, TIMEOUT)
+    assert returncode != 0
+    assert "tie_word_embeddings" in output
 

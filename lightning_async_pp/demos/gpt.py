@@ -203,22 +203,33 @@ class GPT(PipelineModule):
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        if self._batch_start is not None:
-            elapsed = time.perf_counter() - self._batch_start
-            self.log("train/tokens_per_sec", batch[0].numel() / max(elapsed, 1e-9))
+        log_lr_and_throughput(self, batch[0].numel(), self._batch_start)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
             optimizer = torch.optim.AdamW(self.named_parameters(), lr=1e-3, weight_decay=0.1)
         else:
             optimizer = self.optimizer_factory(self.named_parameters())
-        if self.hparams.lr_schedule == "constant":
-            return optimizer
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        factor = cosine_with_warmup(total, self.hparams.warmup_fraction, self.hparams.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return with_lr_schedule(optimizer, self)
+
+
+def log_lr_and_throughput(module: LightningModule, tokens: int, start: float | None) -> None:
+    """Log the learning rate and the tokens per second of the batch that started at ``start``."""
+    module.log("train/lr", module.trainer.optimizers[0].param_groups[0]["lr"])
+    if start is not None:
+        module.log("train/tokens_per_sec", tokens / max(time.perf_counter() - start, 1e-9))
+
+
+def with_lr_schedule(optimizer: torch.optim.Optimizer, module: LightningModule) -> Any:
+    """``configure_optimizers``' answer for ``module.hparams.lr_schedule``: the optimizer alone (``"constant"``)
+    or with a per-step linear warm-up and cosine decay over the trainer's estimated number of steps."""
+    hparams = module.hparams
+    if hparams.lr_schedule == "constant":
+        return optimizer
+    total = max(1, int(module.trainer.estimated_stepping_batches))
+    factor = cosine_with_warmup(total, hparams.warmup_fraction, hparams.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def cosine_with_warmup(total_steps: int, warmup_fraction: float = 0.1, min_ratio: float = 0.1):

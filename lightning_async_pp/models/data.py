@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_async_pp.demos.data import EpochShuffle, builtin_corpus, read_corpus
+from lightning_async_pp.demos.data import TextDataModule, builtin_corpus, read_corpus
 
 
 def tokenize(text: bytes, tokenizer: str | None) -> tuple[Tensor, int]:
@@ -54,13 +53,13 @@ class PackedSequences(Dataset):
         return {"input_ids": self.ids[start : start + self.block_size]}
 
 
-class TokenizedTextDataModule(LightningDataModule):
+class TokenizedTextDataModule(TextDataModule):
     """A text corpus as packed token sequences for :class:`~lightning_async_pp.models.CausalLM`.
 
     Works offline: the default corpus is the English text that ships with Python and the default tokens are
     bytes. The first ``1 - val_fraction`` of the tokens train, the rest validate. Every pipeline stage draws
     the same shuffled order (a permutation of ``seed + epoch``), so the stages of a pipeline see the same
-    batches.
+    batches. Batches are ``{"input_ids": (batch_size, block_size)}``.
 
     Args:
         path: A text file or a folder of text files. ``None`` uses the English text that ships with Python.
@@ -83,19 +82,9 @@ class TokenizedTextDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"`val_fraction` must be between 0 and 1, got {val_fraction}.")
-        self.path = path
+        super().__init__(path, block_size, batch_size, val_fraction, num_workers, seed)
         self.tokenizer = tokenizer
-        self.block_size = block_size
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.num_workers = num_workers
-        self.seed = seed
         self.vocab_size: int | None = None
-        self.train_set: PackedSequences | None = None
-        self.val_set: PackedSequences | None = None
 
     def setup(self, stage: str | None = None) -> None:
         raw = builtin_corpus() if self.path is None else read_corpus(self.path)
@@ -113,15 +102,3 @@ class TokenizedTextDataModule(LightningDataModule):
                 f"The tokens go up to id {int(ids.max())} but the model's vocab_size is {config.vocab_size}. Set the "
                 f"model's `config.vocab_size` to at least {self.vocab_size}."
             )
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            sampler=EpochShuffle(len(self.train_set), self.seed),
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

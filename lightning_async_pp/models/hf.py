@@ -29,7 +29,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
-from lightning_async_pp.demos.gpt import cosine_with_warmup
+from lightning_async_pp.demos.gpt import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.pipeline.contract import run_layers
 
 try:
@@ -457,10 +457,7 @@ class CausalLM(LightningModule):
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        if self._batch_start is not None:
-            elapsed = time.perf_counter() - self._batch_start
-            self.log("train/tokens_per_sec", _input_ids(batch).numel() / max(elapsed, 1e-9))
+        log_lr_and_throughput(self, _input_ids(batch).numel(), self._batch_start)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
@@ -469,12 +466,7 @@ class CausalLM(LightningModule):
             optimizer = DelayCorrected(Muon(self.named_parameters(), lr=0.02, adamw_lr=3e-3, weight_decay=0.1))
         else:
             optimizer = self.optimizer_factory(self.named_parameters())
-        if self.hparams.lr_schedule == "constant":
-            return optimizer
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        factor = cosine_with_warmup(total, self.hparams.warmup_fraction, self.hparams.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return with_lr_schedule(optimizer, self)
 
 
 _TIED_ACROSS_STAGES = (
