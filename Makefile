@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:
 #   make train   set up .venv, train the quickstart GPT, print where the TensorBoard logs are
+#   make train-llama   the same for a tiny Hugging Face Llama (examples/configs/llama_tiny.yaml)
 #   make test    set up .venv if needed, run the test suite
 VENV ?= .venv
 PYTHON ?= python3
@@ -8,7 +9,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-slow bench clean
+.PHONY: train train-llama test test-slow bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +18,9 @@ $(STAMP): pyproject.toml
 
 train: $(STAMP)
 	$(PY) -m lightning_async_pp fit --config examples/configs/quickstart.yaml
+
+train-llama: $(STAMP)
+	$(PY) -m lightning_async_pp fit --config examples/configs/llama_tiny.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

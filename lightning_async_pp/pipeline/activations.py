@@ -1,0 +1,137 @@
+"""What travels between two stages: a tensor, or a tuple, list or dict of tensors, as one message.
+
+A layer may return several tensors (hidden states plus whatever the next layer needs). A stage sends them
+together, as one message of the :class:`~lightning_async_pp.pipeline.comm.Channel`: the tensors in order
+(a dict's in its key order), followed by a small int64 tensor, the *spec*, that says how to rebuild the
+structure and which tensors carry gradients. A plain tensor travels alone, as before, without a spec.
+
+Only floating-point tensors that require grad on the sending side get a gradient back; integer tensors,
+masks and anything computed without grad travel forward only. The backward message holds exactly those
+gradients, in order.
+
+The spec is decoded once per negotiated layout (the receiver reads it when the layout was just learnt, at a
+run start or for an evaluation batch), so the steady state reads nothing on the host; the sender checks
+that the structure does not change while the layout stays the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_KINDS = ("tuple", "list", "dict")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How a flat list of tensors is rebuilt into what a layer returned.
+
+    Args:
+        kind: ``"tensor"``, ``"tuple"``, ``"list"`` or ``"dict"``.
+        keys: A dict's keys, in order.
+        grads: Per tensor, whether it gets a gradient back (floating point and requiring grad when sent).
+    """
+
+    kind: str
+    keys: tuple[str, ...] = ()
+    grads: tuple[bool, ...] = ()
+
+
+def flatten(value: Any) -> tuple[list[Tensor], Spec]:
+    """The tensors of ``value`` in order, and the spec that rebuilds it."""
+    if isinstance(value, Tensor):
+        return [value], Spec("tensor", grads=(_carries_grad(value),))
+    if isinstance(value, Mapping):
+        keys = tuple(value)
+        if not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"A dict passed between pipeline stages must have string keys, got {keys}.")
+        tensors, kind = [value[k] for k in keys], "dict"
+    elif isinstance(value, (tuple, list)):
+        keys, tensors, kind = (), list(value), "tuple" if isinstance(value, tuple) else "list"
+    else:
+        raise TypeError(_WHAT_TRAVELS + f" Got a {type(value).__name__}.")
+    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+        found = [type(t).__name__ for t in tensors]
+        raise TypeError(_WHAT_TRAVELS + f" Got a {kind} of {found or 'nothing'}.")
+    return tensors, Spec(kind, keys, tuple(_carries_grad(t) for t in tensors))
+
+
+def unflatten(tensors: Sequence[Tensor], spec: Spec) -> Any:
+    """Rebuild what :func:`flatten` took apart."""
+    if spec.kind == "tensor":
+        return tensors[0]
+    if spec.kind == "dict":
+        return dict(zip(spec.keys, tensors))
+    return tuple(tensors) if spec.kind == "tuple" else list(tensors)
+
+
+def encode(spec: Spec) -> Tensor:
+    """``spec`` as an int64 CPU tensor: kind, tensor count, grad flags, then each key's length and bytes."""
+    values = [_KINDS.index(spec.kind), len(spec.grads), *map(int, spec.grads)]
+    for key in spec.keys:
+        data = key.encode("utf-8")
+        values += [len(data), *data]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def decode(tensor: Tensor) -> Spec:
+    values = tensor.tolist()
+    kind, count = _KINDS[values[0]], values[1]
+    grads = tuple(bool(v) for v in values[2 : 2 + count])
+    keys, position = [], 2 + count
+    while position < len(values):
+        length = values[position]
+        keys.append(bytes(values[position + 1 : position + 1 + length]).decode("utf-8"))
+        position += 1 + length
+    return Spec(kind, tuple(keys), grads)
+
+
+def message(value: Any) -> tuple[list[Tensor], Spec]:
+    """The tensors to send for ``value`` (a plain tensor alone, otherwise followed by its encoded spec)."""
+    tensors, spec = flatten(value)
+    if spec.kind == "tensor":
+        return tensors, spec
+    return [*tensors, encode(spec).to(tensors[0].device)], spec
+
+
+def read_message(tensors: Sequence[Tensor], known: Spec | None) -> tuple[Any, Spec]:
+    """Rebuild a received message; ``known`` is the spec learnt earlier in this layout (``None``: decode it)."""
+    if len(tensors) == 1:
+        spec = Spec("tensor", grads=(tensors[0].is_floating_point(),))
+        return tensors[0], spec
+    spec = known if known is not None else decode(tensors[-1])
+    return unflatten(list(tensors[:-1]), spec), spec
+
+
+def with_grad_inputs(value: Any, spec: Spec) -> Any:
+    """Mark the received tensors that get a gradient back as requiring grad (in place)."""
+    tensors, _ = flatten(value)
+    for tensor, grad in zip(tensors, spec.grads):
+        if grad:
+            tensor.requires_grad_(True)
+    return value
+
+
+def differentiable(value: Any, spec: Spec) -> list[Tensor]:
+    """The tensors of ``value`` that get (or send back) a gradient, in order."""
+    tensors, _ = flatten(value)
+    return [t for t, grad in zip(tensors, spec.grads) if grad]
+
+
+def input_grads(value: Any, spec: Spec) -> list[Tensor]:
+    """After a backward: the gradients of the received tensors that carry one (zeros where a tensor was unused)."""
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in differentiable(value, spec)]
+
+
+def _carries_grad(t: Tensor) -> bool:
+    return t.is_floating_point() and t.requires_grad
+
+
+_WHAT_TRAVELS = (
+    "What a pipeline layer passes to the next one must be a tensor, or a tuple, list or dict (string keys) of "
+    "tensors; recompute other values from the micro-batch in the layer that needs them (`reads_batch = True`)."
+)
