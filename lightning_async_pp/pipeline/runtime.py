@@ -39,6 +39,8 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim import Optimizer
 
+from lightning_async_pp.pipeline import activations
+from lightning_async_pp.pipeline.activations import Spec
 from lightning_async_pp.pipeline.comm import Channel
 from lightning_async_pp.pipeline.contract import Stage
 from lightning_async_pp.pipeline.microbatch import split_microbatches
@@ -57,17 +59,6 @@ Key = tuple[int, int]  # (step, micro-batch)
 _RECEIVES = (Op.RECV_F, Op.RECV_B)
 _TIMED = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.RECV_F: "wait", Op.RECV_B: "wait", Op.UPDATE: "update"}
 _NOT_HYPERPARAMETERS = ("params", "param_names")
-
-
-def _pack(value: Tensor) -> list[Tensor]:
-    """The message that carries a layer output (or its gradient) to the neighbouring stage."""
-    return [value]
-
-
-def _unpack(message: list[Tensor]) -> Tensor:
-    """The layer input (or output gradient) a message carries."""
-    (value,) = message
-    return value
 
 
 @dataclass
@@ -230,10 +221,14 @@ class StageRuntime:
         if self.next_rank is not None:
             self.next = Channel(self.next_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage + 1}")
         self._microbatches: dict[int, list[Any]] = {}
-        self._inflight: dict[Key, tuple[Tensor, Tensor]] = {}
+        # What travels may be several tensors (see `activations`): a received input keeps its spec, and an
+        # in-flight micro-batch keeps the specs of its input and output, so each gradient finds its tensor.
+        self._inflight: dict[Key, tuple[Any, Spec | None, Any, Spec | None]] = {}
         self._pinned: dict[Key, dict[str, Tensor]] = {}  # the weights each in-flight micro-batch runs on
-        self._received: dict[Key, Tensor] = {}
-        self._input_grads: dict[Key, Tensor] = {}
+        self._received: dict[Key, tuple[Any, Spec]] = {}
+        self._input_grads: dict[Key, list[Tensor]] = {}
+        self._recv_spec: Spec | None = None  # of the messages from the previous stage, learnt once per layout
+        self._send_spec: Spec | None = None  # of the messages to the next stage, fixed once per layout
         self._losses: dict[int, list[Tensor]] = {}
         self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
         self._hyperparameters: dict[int, list[dict[str, Any]]] = {}
@@ -264,9 +259,7 @@ class StageRuntime:
         self._read_finite_checks(wait_beyond=2)
         if self.run_start is None:
             self.run_start = step
-            for channel in (self.prev, self.next):
-                if channel is not None:
-                    channel.forget_layout()  # evaluation may have sent other shapes since the last run
+            self._forget_layouts()  # evaluation may have sent other shapes since the last run
         timing = self._timing = _StepTiming(StepStats(step), self._clock.mark())
         self._hyperparameters[step] = self._observe_hyperparameters()
         self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
@@ -332,16 +325,36 @@ class StageRuntime:
     @torch.no_grad()
     def evaluate(self, batch: Any) -> Tensor | None:
         """Forward one batch through the stage on the newest weights; returns the output on the last stage."""
-        for channel in (self.prev, self.next):
-            if channel is not None:
-                channel.forget_layout()  # evaluation batches may differ in size (the last one often does)
-        x = self.inputs_fn(batch) if self.is_first else _unpack(self.prev.recv())
+        self._forget_layouts()  # evaluation batches may differ in size (the last one often does)
+        x = self.inputs_fn(batch) if self.is_first else self._receive_input()[0]
         with self.forward_context():
             y = self.module(x, batch)
         if not self.is_last:
-            self.next.send(_pack(y))
+            self.next.send(self._output_message(y)[0])
             return None
         return y
+
+    def _forget_layouts(self) -> None:
+        for channel in (self.prev, self.next):
+            if channel is not None:
+                channel.forget_layout()
+        self._recv_spec = self._send_spec = None
+
+    def _receive_input(self) -> tuple[Any, Spec]:
+        value, self._recv_spec = activations.read_message(self.prev.recv(), self._recv_spec)
+        return value, self._recv_spec
+
+    def _output_message(self, y: Any) -> tuple[list[Tensor], Spec]:
+        tensors, spec = activations.message(y)
+        if self._send_spec is None:
+            self._send_spec = spec
+        elif spec != self._send_spec:
+            raise RuntimeError(
+                f"Pipeline stage {self.stage} passed {spec} to the next stage after {self._send_spec} in the same "
+                "run (structure, keys or which tensors require grad). Make every micro-batch's output the same "
+                "structure."
+            )
+        return tensors, spec
 
     def previous_weights(self) -> dict[str, Tensor]:
         """The version before the newest one (what step ``newest`` will run on), keyed like the parameters."""
@@ -393,13 +406,15 @@ class StageRuntime:
         elif op is Op.BACKWARD:
             self._backward(key)
         elif op is Op.RECV_F:
-            self._received[key] = _unpack(self.prev.recv())
+            self._received[key] = self._receive_input()
         elif op is Op.RECV_B:
-            self._input_grads[key] = _unpack(self.next.recv())
+            self._input_grads[key] = self.next.recv()
         elif op is Op.SEND_F:
-            self.next.send(_pack(self._inflight[key][1]), post_recv=post_next)
+            self.next.send(self._output_message(self._inflight[key][2])[0], post_recv=post_next)
         elif op is Op.SEND_B:
-            self.prev.send(_pack(self._input_grads.pop(key)), post_recv=post_next)
+            # A message holds at least one tensor: an input without gradients answers with an empty one.
+            grads = self._input_grads.pop(key) or [torch.zeros(0, device=self.device)]
+            self.prev.send(grads, post_recv=post_next)
         if post_next and op in _RECEIVES:
             self._channel(op).prefetch()
         elif op is Op.UPDATE:
@@ -408,12 +423,12 @@ class StageRuntime:
     def _forward(self, a: Action, key: Key) -> None:
         self._complete_updates(up_to_version=a.version)
         microbatch = self._microbatches[a.step][a.microbatch]
+        x_spec = None
         if self.is_first:
             x = self.inputs_fn(microbatch)
         else:
-            x = self._received.pop(key)
-            if x.is_floating_point():
-                x.requires_grad_(True)
+            x, x_spec = self._received.pop(key)
+            activations.with_grad_inputs(x, x_spec)
         weights = self.buffers[a.version % self.num_buffers]
         self.versions_used[a.step] = a.version
         with self.forward_context():
@@ -421,19 +436,23 @@ class StageRuntime:
             if self.is_last:
                 y = self.loss_fn(y, microbatch)
                 self._losses.setdefault(a.step, []).append(y.detach())
-        self._inflight[key] = (x, y)
+        y_spec = None if self.is_last else activations.flatten(y)[1]
+        self._inflight[key] = (x, x_spec, y, y_spec)
         self._pinned[key] = weights
 
     def _backward(self, key: Key) -> None:
-        x, y = self._inflight.pop(key)
+        x, x_spec, y, y_spec = self._inflight.pop(key)
         # A layer that recomputes its forward here must see the weights the forward saw.
         with _reparametrize_module(self.module, self._pinned.pop(key), tie_weights=True):
             if self.is_last:
                 (y / self.num_microbatches).backward()
             else:
-                torch.autograd.backward(y, self._input_grads.pop(key))
+                outputs = activations.differentiable(y, y_spec)
+                grads = self._input_grads.pop(key)
+                if outputs:
+                    torch.autograd.backward(outputs, grads[: len(outputs)])
         if not self.is_first:
-            self._input_grads[key] = x.grad
+            self._input_grads[key] = activations.input_grads(x, x_spec)
 
     # --- updates -------------------------------------------------------------------------------------
 
