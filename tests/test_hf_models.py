@@ -256,3 +256,28 @@ def test_tied_embeddings_across_stages_are_refused_with_a_clear_message(tmp_path
     assert returncode != 0
     assert "tie_word_embeddings" in output
 
+
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+@pytest.mark.parametrize("name", ["llama_tiny.yaml", "llama_1b_8gpu.yaml"])
+def test_example_configs_pass_the_cli_validation(name):
+    import contextlib
+    import io
+
+    from lightning_async_pp.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS_DIR / name), "--print_config"])
+    assert exit_info.value.code in (0, None)
+
+
+@pytest.mark.slow
+def test_llama_tiny_config_trains_on_two_stages(tmp_path):
+    command = [sys.executable, "-m", "lightning_async_pp", "fit", "--config", str(CONFIGS_DIR / "llama_tiny.yaml"),
+               "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3",
+               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    returncode, output = run_script(command, TIMEOUT)
+    assert returncode == 0, output[-6000:]
+    assert "pipeline stage 1/2" in output and list((tmp_path / "runs").rglob("events.out.tfevents*"))

@@ -5,10 +5,11 @@ The model is cut into the layers the pipeline contract asks for::
     [Embedding, DecoderLayer 0, ..., DecoderLayer N-1, Head]
 
 Only the hidden states travel between stages. The attention mask and the rotary position tensors are
-recomputed by every decoder layer from the micro-batch (the layers set ``reads_batch = True``), as
-torchtitan does: for a Llama-8B-shaped stage boundary (batch 1, 4096 tokens, bf16) the hidden states are
-32 MiB and a padding mask alone would add 16 MiB (bool, ``T x T``), while recomputing mask and rotary
-tables costs well under a millisecond per layer (``benchmarks/hf_boundary.py`` measures both).
+rebuilt from the micro-batch on each stage (the decoder layers set ``reads_batch = True``), once per stage
+and micro-batch (:class:`BatchContext`), as torchtitan does. At a Llama-8B-shaped boundary (batch 1, 4096
+tokens, bf16) the hidden states are 32 MiB; sending the padding mask would add 16 MiB (bool, ``T x T``) and
+the rotary tables 2 MiB, on every transfer, whereas rebuilding them costs a stage about the time of one
+small kernel per micro-batch (``benchmarks/hf_boundary.py`` measures both; docs/user-guide.md section 11).
 
 The model is built on the meta device. A stage materialises only its own layers: from the configuration's
 initialisation (every layer from its own seed, so one stage and the whole model agree) or, with
@@ -95,6 +96,46 @@ class Embedding(nn.Module):
         return hidden
 
 
+class BatchContext:
+    """The attention masks, positions and rotary tables of the micro-batch a stage is running.
+
+    Built by the stage's first decoder layer that needs them and reused by the others, as ``transformers``
+    builds them once per forward. The entry is kept for one micro-batch (matched by identity, shape and
+    dtype), so a later forward of another micro-batch, or a recomputation, never sees stale values.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._values: dict[str, Any] = {}
+
+    def get(self, layer: DecoderLayer, hidden: Tensor, batch: Any) -> tuple[Any, Tensor, Any]:
+        key = (hidden.shape, hidden.dtype, hidden.device, torch.is_grad_enabled())
+        if self._key is None or self._key[0] is not batch or self._key[1] != key:
+            self._key, self._values = (batch, key), {}
+        position_ids = self._values.get("positions")
+        if position_ids is None:
+            position_ids = self._values["positions"] = _position_ids(batch, hidden)
+        kind = layer.attention_type
+        if kind not in self._values:
+            attention_mask = _get(batch, "attention_mask")
+            if attention_mask is not None and attention_mask.dim() < 4:
+                attention_mask = attention_mask.view(hidden.shape[0], -1)
+            make_mask = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+            self._values[kind] = make_mask(
+                config=layer.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                position_ids=position_ids,
+            )
+        rotary = None
+        if layer.rotary_emb is not None:
+            rotary = self._values.get("rotary")
+            if rotary is None:
+                rotary = self._values["rotary"] = layer.rotary_emb(hidden, position_ids)
+        return self._values[kind], position_ids, rotary
+
+    def __deepcopy__(self, memo: dict) -> BatchContext:
+        return BatchContext()
+
+
 class DecoderLayer(nn.Module):
     """One Hugging Face decoder layer; it rebuilds its attention mask and rotary tables from the micro-batch.
 
@@ -103,29 +144,26 @@ class DecoderLayer(nn.Module):
         rotary_emb: This layer's own copy of the model's rotary embedding (``None`` for GPT-2).
         config: The model configuration (read by the mask functions).
         attention_type: ``"full_attention"`` or ``"sliding_attention"``.
+        context: Shared by the decoder layers of a model, so a stage builds masks and tables once per
+            micro-batch.
     """
 
     reads_batch = True
 
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module | None, config: Any, attention_type: str) -> None:
+    def __init__(
+        self, layer: nn.Module, rotary_emb: nn.Module | None, config: Any, attention_type: str,
+        context: BatchContext | None = None,
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.config = config
         self.attention_type = attention_type
+        self.context = context if context is not None else BatchContext()
 
     def forward(self, hidden: Tensor, batch: Any = None) -> Tensor:
-        position_ids = _position_ids(batch, hidden)
-        attention_mask = _get(batch, "attention_mask")
-        if attention_mask is not None and attention_mask.dim() < 4:
-            attention_mask = attention_mask.view(hidden.shape[0], -1)
-        make_mask = create_sliding_window_causal_mask if self.attention_type == "sliding_attention" else create_causal_mask
-        mask = make_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=position_ids
-        )
-        kwargs: dict[str, Any] = {}
-        if self.rotary_emb is not None:
-            kwargs["position_embeddings"] = self.rotary_emb(hidden, position_ids)
+        mask, position_ids, rotary = self.context.get(self, hidden, batch)
+        kwargs: dict[str, Any] = {} if rotary is None else {"position_embeddings": rotary}
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -189,8 +227,9 @@ def _split(model: nn.Module) -> list[nn.Module]:
         body = model.model
         embedding = Embedding(body.embed_tokens)
         blocks, norm, rotary = body.layers, body.norm, body.rotary_emb
+    context = BatchContext()
     decoders = [
-        DecoderLayer(block, copy.deepcopy(rotary) if rotary is not None else None, config, types[i])
+        DecoderLayer(block, copy.deepcopy(rotary) if rotary is not None else None, config, types[i], context)
         for i, block in enumerate(blocks[: config.num_hidden_layers])
     ]
     return [embedding, *decoders, Head(norm, model.lm_head)]

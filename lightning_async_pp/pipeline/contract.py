@@ -1,7 +1,7 @@
 """What a model must say about itself to be cut into pipeline stages.
 
 A pipeline-ready ``LightningModule`` is a flat, ordered list of layers, each a module that maps one tensor
-to one tensor, plus two functions around them::
+to one tensor (or a tuple, list or dict of tensors to another, see below), plus two functions around them::
 
     x = module.pipeline_inputs(batch)           # on the first stage
     for layer in module.pipeline_layers():       # consecutive layers share a stage
@@ -20,6 +20,10 @@ the loss of the whole batch. Two methods are optional:
 
 :class:`lightning_async_pp.PipelineModule` is a ``LightningModule`` base class that derives ``forward`` and
 the ``*_step`` methods from this contract, so the module runs unchanged without the strategy.
+
+What a layer returns may be several tensors: a tuple, a list or a dict with string keys. They travel to the
+next stage together, in one message (:mod:`lightning_async_pp.pipeline.activations`); the floating-point
+ones that require grad get their gradients back, the others (token ids, masks) travel forward only.
 
 A layer that needs more than the previous layer's output (attention masks, position ids) may read the
 micro-batch itself: give it a class attribute ``reads_batch = True`` and it is called as
@@ -45,7 +49,7 @@ class PipelineContract(Protocol):
     :class:`lightning_async_pp.PipelineModule`, which also derives the ``*_step`` methods from them."""
 
     def pipeline_layers(self) -> Sequence[nn.Module]:
-        """The model's layers in execution order (each maps one tensor to one tensor)."""
+        """The model's layers in execution order (each maps a tensor, or a tuple/list/dict of tensors, to the next)."""
 
     def pipeline_inputs(self, batch: Any) -> Tensor:
         """The tensor fed to the first layer, taken from a (micro-)batch."""
