@@ -281,3 +281,12 @@ def test_llama_tiny_config_trains_on_two_stages(tmp_path):
     returncode, output = run_script(command, TIMEOUT)
     assert returncode == 0, output[-6000:]
     assert "pipeline stage 1/2" in output and list((tmp_path / "runs").rglob("events.out.tfevents*"))
+
+
+def test_a_tied_head_keeps_the_embeddings_initialisation():
+    """The embedding (the first layer using the tied weight) initialises it; the head must not overwrite it."""
+    model = materialized("gpt2")
+    alone = tiny_causal_lm("gpt2")
+    alone.layers[0].to_empty(device="cpu")
+    alone.reset_pipeline_layer(0, alone.layers[0])
+    assert torch.equal(model.layers[-1].lm_head.weight, alone.layers[0].embed_tokens.weight)

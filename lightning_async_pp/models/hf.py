@@ -411,13 +411,14 @@ class CausalLM(LightningModule):
             self._load(layer)
 
     def _retie(self, layer: nn.Module) -> None:
-        # `to_empty` gives each materialised layer new parameters; the head takes the embedding's again when
-        # both live in this process.
+        # `to_empty` gives each materialised layer new parameters; the head takes the embedding's again once
+        # both are materialised in this process (not before: materialising the head would empty the shared
+        # tensor in place).
         if not self.tied:
             return
         embedding, head = self.layers[0], self.layers[-1]
         if isinstance(embedding, Embedding) and isinstance(head, Head) and layer in (embedding, head):
-            if not embedding.embed_tokens.weight.is_meta:
+            if not embedding.embed_tokens.weight.is_meta and not head.norm.weight.is_meta:
                 head.lm_head.weight = embedding.embed_tokens.weight
 
     def _initialize(self, index: int, layer: nn.Module, buffers_only: bool = False) -> None:
@@ -426,12 +427,19 @@ class CausalLM(LightningModule):
         # Initialise on the CPU from the layer's own seed, so the weights do not depend on the device or on
         # which other layers this process holds; children before parents, as transformers does.
         shadow = copy.deepcopy(layer).to("cpu") if device.type != "cpu" else layer
+        # A tied head keeps the embedding's values (on another stage, the tie copies them over): the first
+        # layer that uses a tied weight initialises it. transformers' init functions skip flagged tensors.
+        keep = [shadow.lm_head.weight] if self.tied and isinstance(shadow, Head) else []
+        for tensor in keep:
+            tensor._is_hf_initialized = True
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.hparams.init_seed + index)
             for module in _post_order(shadow):
                 if buffers_only and "RotaryEmbedding" not in type(module).__name__:
                     continue
                 model._init_weights(module)
+        for tensor in keep:
+            del tensor._is_hf_initialized
         if shadow is not layer:
             for target, source in zip((*layer.parameters(), *layer.buffers()), (*shadow.parameters(), *shadow.buffers())):
                 target.copy_(source)
