@@ -290,3 +290,36 @@ def test_a_tied_head_keeps_the_embeddings_initialisation():
     alone.layers[0].to_empty(device="cpu")
     alone.reset_pipeline_layer(0, alone.layers[0])
     assert torch.equal(model.layers[-1].lm_head.weight, alone.layers[0].embed_tokens.weight)
+
+
+def test_tokenized_text_is_packed_in_windows_that_overlap_by_one(tmp_path):
+    from lightning_async_pp.models import TokenizedTextDataModule
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    data = TokenizedTextDataModule(path=str(text), block_size=16, batch_size=4, val_fraction=0.25)
+    data.setup("fit")
+    assert data.vocab_size == 256
+    first, second = data.train_set[0]["input_ids"], data.train_set[1]["input_ids"]
+    assert first.tolist() == list(range(16)) and second[0] == first[-1]  # every next-token pair predicted once
+    order = [b["input_ids"][:, 0].tolist() for b in data.train_dataloader()]
+    assert order == [b["input_ids"][:, 0].tolist() for b in data.train_dataloader()]  # same order on every stage
+
+
+def test_a_local_tokenizer_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lightning_async_pp.models import TokenizedTextDataModule
+
+    words = ["the", "pipeline", "stage", "sends", "[UNK]"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    (tmp_path / "text.txt").write_text("the pipeline stage sends the stage " * 20)
+    data = TokenizedTextDataModule(path=str(tmp_path / "text.txt"), tokenizer=str(tmp_path / "tok"), block_size=4)
+    data.setup("fit")
+    assert data.vocab_size == len(words)
+    assert data.train_set[0]["input_ids"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        TokenizedTextDataModule(tokenizer=str(tmp_path / "missing")).setup("fit")

@@ -452,9 +452,10 @@ class CausalLM(LightningModule):
         wanted: dict[str, Tensor] = {}
         for name, param in layer.named_parameters(prefix=prefix, remove_duplicate=False):
             if self.tied and isinstance(layer, Head) and name.endswith("lm_head.weight"):
-                if not isinstance(self.layers[0], Embedding) or self.layers[0].embed_tokens.weight is not param:
-                    raise NotImplementedError(_TIED_ACROSS_STAGES)
-                continue  # the embedding's tensor, already loaded
+                embedding = self.layers[0]
+                if isinstance(embedding, Embedding) and embedding.embed_tokens.weight is param:
+                    continue  # the embedding's tensor, loaded with the embedding
+                # On a stage without the embedding, the head's copy reads the embedding's stored tensor.
             key = next((n for n in self._hf_names[name] if n in self.checkpoint), None)
             if key is None:
                 raise KeyError(
