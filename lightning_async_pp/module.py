@@ -84,7 +84,7 @@ class PipelineModule(LightningModule):
     """
 
     def pipeline_layers(self) -> Any:
-        """The model's layers in execution order (each maps one tensor to one tensor)."""
+        """The model's layers in execution order (each maps a tensor, or a tuple/list/dict of tensors, to the next)."""
         raise NotImplementedError(f"{type(self).__name__} must define `pipeline_layers()`.")
 
     def pipeline_inputs(self, batch: Any) -> Tensor:
@@ -95,24 +95,25 @@ class PipelineModule(LightningModule):
         """Scalar loss, averaged over the (micro-)batch, from the last layer's output."""
         raise NotImplementedError(f"{type(self).__name__} must define `pipeline_loss(output, batch)`.")
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Run every layer of ``pipeline_layers()`` in order on the first layer's input ``x``."""
-        return run_layers(self.pipeline_layers(), x)
+    def forward(self, x: Any, batch: Any = None) -> Any:
+        """Run every layer of ``pipeline_layers()`` in order on the first layer's input ``x`` (layers that read
+        the micro-batch get ``batch``)."""
+        return run_layers(self.pipeline_layers(), x, batch)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         """The loss of ``batch``, logged as ``train/loss`` (what ``AsyncPipelineStrategy`` logs, too)."""
-        loss = self.pipeline_loss(self(self.pipeline_inputs(batch)), batch)
+        loss = self.pipeline_loss(self(self.pipeline_inputs(batch), batch), batch)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
-        return self.pipeline_validation_step(self(self.pipeline_inputs(batch)), batch, batch_idx)
+        return self.pipeline_validation_step(self(self.pipeline_inputs(batch), batch), batch, batch_idx)
 
     def test_step(self, batch: Any, batch_idx: int) -> Any:
-        return self.pipeline_test_step(self(self.pipeline_inputs(batch)), batch, batch_idx)
+        return self.pipeline_test_step(self(self.pipeline_inputs(batch), batch), batch, batch_idx)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
-        return self.pipeline_predict_step(self(self.pipeline_inputs(batch)), batch, batch_idx)
+        return self.pipeline_predict_step(self(self.pipeline_inputs(batch), batch), batch, batch_idx)
 
     def pipeline_validation_step(self, output: Tensor, batch: Any, batch_idx: int) -> Any:
         """Validation on the last layer's output; default: log ``val/loss`` from ``pipeline_loss``."""
