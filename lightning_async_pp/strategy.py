@@ -7,7 +7,6 @@ import functools
 import json
 import logging
 import os
-import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
@@ -24,6 +23,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_async_pp import checkpoint as sharded
 from lightning_async_pp.hooks import before_optimizer_step, check_gradient_clipping_hook
 from lightning_async_pp.metrics import MetricsRelay, reduce_decision
 from lightning_async_pp.module import pipeline_evaluation_step
@@ -56,7 +57,7 @@ from lightning_async_pp.routing import report_routing
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 
 SCHEDULES = schedules.SCHEDULES
-CHECKPOINT_KEY = "async_pp"
+CHECKPOINT_KEY = sharded.CHECKPOINT_KEY
 # Steps of per-stage statistics rank 0 keeps in `stage_stats` (older ones are dropped; the logger has them).
 STAGE_STATS_HISTORY = 1000
 
@@ -110,7 +111,10 @@ class AsyncPipelineStrategy(ParallelStrategy):
         accelerator: Set by the ``Trainer``.
         parallel_devices: Set by the ``Trainer``.
         cluster_environment: Set by the ``Trainer``.
-        checkpoint_io: Checkpoint plugin.
+        checkpoint_io: Checkpoint plugin. Checkpoints are directories with one shard per stage (see
+            :mod:`lightning_async_pp.checkpoint`), written by :class:`~lightning_async_pp.checkpoint.ShardedCheckpointIO`;
+            another plugin given here writes their metadata file, and Lightning's ``AsyncCheckpointIO`` runs the
+            whole save in its background thread.
         precision_plugin: Set by the ``Trainer``.
         process_group_backend: ``torch.distributed`` backend (default: NCCL on GPUs, gloo on CPUs).
         timeout: How long a process waits for a transfer or collective before it gives up and brings the job
@@ -177,7 +181,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._delayed: DelayedWeights | None = None
         self._microbatch_losses: list[Tensor] | None = None
-        self._restored: dict[str, Any] | None = None
+        self._restored_sharded = False
+        self._partition: list[range] | None = None
+        self._model_shapes: dict[str, tuple[int, ...]] | None = None
         self._runtime: StageRuntime | None = None
         self._relay: StatsRelay | None = None
         self._metrics: MetricsRelay | None = None
@@ -377,8 +383,13 @@ class AsyncPipelineStrategy(ParallelStrategy):
             self._install_sigterm_check(trainer)
             self._steps_run = 0
             # Stages apply their first update inside a later step, after Lightning has stepped the scheduler;
-            # each update uses the learning rate of its own step (see StageRuntime), so the warning is moot.
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            # each update uses the learning rate of its own step (see StageRuntime). torch warns about a scheduler
+            # stepped before its optimizer unless the optimizer has stepped; it will, so say so on this optimizer
+            # only, instead of filtering the warning for the whole process.
+            for optimizer in self.optimizers:
+                optimizer._opt_called = True
+        if self.multi_process:
+            self._sharded_io().process_group = self._groups["checkpoint"]
 
     def _create_groups(self) -> None:
         """Process groups. Every rank creates every group, in the same order, as torch.distributed requires."""
@@ -404,6 +415,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._metrics = MetricsRelay.for_pipelines(pipelines, self.global_rank, self.root_device, self.timeout)
         self._steps_run = 0
         self._stats_reported = 0
+        # Checkpoints plan on a group of their own, so that an asynchronous save never meets training traffic.
+        self._groups["checkpoint"] = dist.new_group(backend="gloo")
 
     def _install_sigterm_check(self, trainer: Trainer) -> None:
         """Replace Lightning's per-step SIGTERM broadcast by one that never stalls the pipeline.
@@ -463,6 +476,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         ranges = self.layer_partition(module)
         owner = [stage for stage, r in enumerate(ranges) for _ in r]
         own = ranges[self.stage]
+        self._partition = ranges
+        # The whole model's names and shapes (cheap on meta too): a checkpoint is checked against them.
+        self._model_shapes = {n: tuple(t.shape) for n, t in module.state_dict().items()}
         self.stage_layers = own
         # Tied weights are found on the whole model, before other stages' layers are dropped.
         ties = tied.find_ties(layers, ranges)
@@ -521,7 +537,6 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 "optimizer from `configure_optimizers` (Muon and DelayCorrected are single optimizers)."
             )
         module = self.lightning_module
-        restored = self._restored or {}
         stage, last = self.stage, self.num_stages - 1
         runtime = StageRuntime(
             kind=self.schedule,
@@ -542,15 +557,10 @@ class AsyncPipelineStrategy(ParallelStrategy):
             data_group=self._groups["data"] if self.data_parallel_size > 1 else None,
             forward_context=self.precision_plugin.forward_context,
             trace=self.trace_dir is not None,
-            start_version=restored.get("version", 0),
             before_update=before_optimizer_step(trainer, self.optimizers[0]),
             ties=self._ties,
         )
         self._runtime = runtime
-        previous = restored.get("previous")
-        if previous is not None:
-            names = self._runtime_to_module_names()
-            runtime.load_previous_weights({n: previous[names[n]] for n in runtime.params})
         return runtime
 
     def _runtime_to_module_names(self) -> dict[str, str]:
@@ -689,8 +699,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def _delayed_weights(self) -> DelayedWeights:
         if self._delayed is None:
             assert self.lightning_module is not None
-            previous = (self._restored or {}).get("previous")
-            self._delayed = DelayedWeights(self.lightning_module, previous=previous)
+            self._delayed = DelayedWeights(self.lightning_module)
         return self._delayed
 
     @override
@@ -810,62 +819,116 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self.flush()
         return super().lightning_module_state_dict()
 
-    def _stage_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"stage": self.stage, "rng": _rng_state()}
-        if self._runtime is not None:
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Each stage reads its own layers' tensors into the placed (materialised) stage, its optimizer and
+        # runtime already built.
+        return True
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        io = self._checkpoint_io
+        if isinstance(io, _WrappingCheckpointIO):
+            if not isinstance(io.checkpoint_io, sharded.ShardedCheckpointIO):
+                io._checkpoint_io = sharded.ShardedCheckpointIO(metadata_io=io.checkpoint_io)
+                io._base_checkpoint_io_configured = True
+        elif not isinstance(io, sharded.ShardedCheckpointIO):
+            self._checkpoint_io = io = sharded.ShardedCheckpointIO(metadata_io=io)
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    def _sharded_io(self) -> sharded.ShardedCheckpointIO:
+        io = self.checkpoint_io
+        return io.checkpoint_io if isinstance(io, _WrappingCheckpointIO) else io
+
+    def _previous_weights(self) -> dict[str, Tensor] | None:
+        """``w[t-1]`` of this stage's trainable parameters, keyed like the module's parameters (2BW only)."""
+        if self._runtime is not None and self._runtime.num_buffers == 2:
             names = self._runtime_to_module_names()
-            state["previous"] = {names[n]: t.clone() for n, t in self._runtime.previous_weights().items()}
-            state["version"] = self._runtime.newest_version
-            state["optimizer"] = self.optimizers[0].state_dict()
-        elif self.schedule == "2bw":
-            # Before the first step the previous weights are the current ones (w[-1] = w[0]).
-            state["previous"] = self._delayed_weights().state_dict()
-        return state
+            return {names[n]: t for n, t in self._runtime.previous_weights().items()}
+        if self._runtime is None and self.schedule == "2bw" and self.optimizers:
+            delayed = self._delayed_weights()  # before the first step: w[-1] = w[0]
+            return dict(zip(delayed.names, delayed.previous))
+        return None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        stage_state = self._stage_state()
-        if self.multi_process:
-            stage_states = self.gather_stages(stage_state)
-            module_states = self.gather_stages(checkpoint["state_dict"])
-            if not self.is_global_zero:
-                return
-            checkpoint["state_dict"] = {k: v for states in module_states for k, v in states.items()}
-        else:
-            stage_states = [stage_state]
-        checkpoint[CHECKPOINT_KEY] = {
-            "schedule": self.schedule,
-            "num_stages": self.num_stages,
-            "num_microbatches": self.num_microbatches,
-            "stages": stage_states,
-        }
-        path = str(filepath)
-        if "://" in path:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        # Write under a temporary name and rename: a crash while saving leaves the previous file intact.
-        temporary = f"{path}.tmp-{os.getpid()}"
-        try:
-            super().save_checkpoint(checkpoint, temporary, storage_options=storage_options)
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        """Write a checkpoint directory: each stage its own shard (replica 0 of each stage), rank 0 the metadata.
+
+        Every rank calls this (Lightning's ``trainer.save_checkpoint`` and ``ModelCheckpoint`` do).
+        """
+        training_state = "optimizer_states" in checkpoint and bool(self.optimizers)
+        shard: dict[str, Any] = {}
+        if self.replica == 0:
+            shard = sharded.stage_shard(
+                checkpoint["state_dict"], self.optimizers[0] if training_state else None, self.lightning_module,
+                self._previous_weights() if training_state else None, self.stage if self.multi_process else 0,
+            )
+        meta = None
+        if self.is_global_zero:
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            version = self._runtime.newest_version if self._runtime is not None else checkpoint.get("global_step", 0)
+            partition = self._partition
+            if partition is None and is_pipeline_module(self.lightning_module):
+                partition = [range(len(list(self.lightning_module.pipeline_layers())))]
+            meta[CHECKPOINT_KEY] = {
+                "format": sharded.FORMAT_VERSION,
+                "schedule": self.schedule,
+                "num_stages": self.num_stages,
+                "data_parallel_size": self.data_parallel_size,
+                "num_microbatches": self.num_microbatches,
+                "partition": [[r.start, r.stop] for r in partition] if partition is not None else None,
+                "version": version,
+                "has_training_state": training_state,
+            }
+        payload = {sharded.SHARD_KEY: True, "shard": shard, "meta": meta}
+        self.checkpoint_io.save_checkpoint(payload, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        try:
-            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        except FileNotFoundError:
-            raise
-        except Exception as error:  # torch.load raises many types for damaged files
-            if "Weights only load failed" in str(error):
-                raise
-            raise RuntimeError(
-                f"Could not read the checkpoint {checkpoint_path}: it is truncated or corrupt ({type(error).__name__}: "
-                f"{error}). Resume from another checkpoint; AsyncPipelineStrategy writes checkpoints atomically, so "
-                "the one saved before it is intact."
-            ) from error
+        """Read Lightning's metadata and, in place, this stage's tensors, from any stage count it was saved with."""
+        self._restored_sharded = False
+        if not sharded.is_sharded_checkpoint(checkpoint_path):
+            return self.checkpoint_io.load_checkpoint(checkpoint_path)  # a single-file (consolidated) checkpoint
+        path = checkpoint_path
+        meta = self.checkpoint_io.load_checkpoint(path)
+        info = meta.get(CHECKPOINT_KEY, {})
+        index = sharded.read_index(path)
+        module = self.lightning_module
+        shapes = self._model_shapes if self.multi_process else {n: tuple(t.shape) for n, t in module.state_dict().items()}
+        sharded.check_compatible(path, info, index, self.schedule, shapes)
+        trainer = module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers) and info.get("has_training_state")
+        if fitting and self._runtime is not None:
+            self._runtime.restore_version(info["version"])
+        sharded.load_stage(
+            path, index, state_dict=module.state_dict(), module=module,
+            optimizer=self.optimizers[0] if fitting else None,
+            previous=self._previous_weights() if fitting else None,
+            stage=self.stage if self.multi_process else 0,
+            process_group=self._groups.get("checkpoint") if self.multi_process else None,
+        )
+        if fitting:
+            sharded.align_lr_schedulers(meta.get("lr_schedulers", []), self.optimizers)
+        if info.get("has_training_state"):
+            meta["optimizer_states"] = []  # restored above; Lightning only checks that they exist
+        self._restored_sharded = True
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if not self._restored_sharded:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if not self._restored_sharded:
+            super().load_optimizer_state_dict(checkpoint)
 
     def gather_stages(self, obj: Any) -> list[Any] | None:
         """Collect ``obj`` from every stage of replica 0 on global rank 0, in stage order (a collective: every
@@ -882,34 +945,6 @@ class AsyncPipelineStrategy(ParallelStrategy):
             return self.lightning_module.state_dict()
         parts = self.gather_stages(self.lightning_module.state_dict())
         return None if parts is None else {k: v for part in parts for k, v in part.items()}
-
-    def _stage_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-        state = checkpoint.get(CHECKPOINT_KEY)
-        if state is None:
-            return None
-        if state["num_stages"] != self.num_stages:
-            raise MisconfigurationException(
-                f"The checkpoint was saved by a {state['num_stages']}-stage pipeline; this run has "
-                f"{self.num_stages} stages. Resume with devices={state['num_stages']}."
-            )
-        return state["stages"][self.stage]
-
-    @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        self._restored = self._stage_checkpoint(checkpoint)
-        if self._restored is not None and "rng" in self._restored:
-            _set_rng_state(self._restored["rng"])
-        if self._restored is not None and self._delayed is not None and "previous" in self._restored:
-            self._delayed.load_state_dict(self._restored["previous"])
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        stage = self._stage_checkpoint(checkpoint)
-        if self.multi_process and stage is not None and "optimizer" in stage:
-            self.optimizers[0].load_state_dict(stage["optimizer"])
-            return
-        super().load_optimizer_state_dict(checkpoint)
 
     # --- collectives ---------------------------------------------------------------------------------
 
@@ -976,29 +1011,3 @@ class _SpawnLauncher(_MultiProcessingLauncher):
             self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
         return output
 
-
-def _rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    # Only tensors and plain Python values, so that `torch.load(weights_only=True)` can read it.
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(gauss))
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    kind, keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -361,6 +361,15 @@ class StageRuntime:
         index = (self.newest_version - 1) % self.num_buffers
         return {n: t.detach() for n, t in self.buffers[index].items()}
 
+    def restore_version(self, version: int) -> None:
+        """Make ``version`` the newest weight version (resuming, before the first step): the buffers are
+        relabelled so that the parameters' copy holds it; load ``w[t-1]`` into :meth:`previous_weights` after."""
+        if self._pending or self.run_start is not None:
+            raise RuntimeError("A weight version can only be restored on a drained runtime.")
+        if self.num_buffers == 2 and (version - self.newest_version) % 2:
+            self.buffers.reverse()
+        self.newest_version = version
+
     def load_previous_weights(self, state: dict[str, Tensor]) -> None:
         index = (self.newest_version - 1) % self.num_buffers
         with torch.no_grad():
