@@ -52,6 +52,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from typing_extensions import override
@@ -329,7 +330,7 @@ def load_stage(
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         dcp.load(targets, storage_reader=SafeReader(path), planner=planner, process_group=process_group, no_dist=no_dist)
-    except Exception as error:
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         files = ", ".join(_shard_files(index, targets))
         raise RuntimeError(
             f"Could not read the checkpoint {path} (stage {stage} reads {files}): a shard is damaged or unreadable "
@@ -486,8 +487,14 @@ class ShardedCheckpointIO(CheckpointIO):
             future.add_done_callback(finish)
             self._pending = done
         else:
-            dcp.save(checkpoint["shard"], storage_writer=writer, planner=planner, process_group=self.process_group,
-                     no_dist=no_dist)
+            try:
+                dcp.save(checkpoint["shard"], storage_writer=writer, planner=planner, process_group=self.process_group,
+                         no_dist=no_dist)
+            except CheckpointException as error:  # a BaseException: make it an ordinary error, on every rank
+                raise RuntimeError(
+                    f"Could not write the checkpoint {path} ({error}). The previous checkpoint at that name, if any, "
+                    "is untouched."
+                ) from error
             commit()
             self._barrier()  # every rank returns once the checkpoint is in place
         self.last_save_blocking_seconds = time.perf_counter() - begin
@@ -523,7 +530,14 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        path = Path(path)
+        """Remove a checkpoint; after the pending asynchronous save, which may be the one writing it."""
+        pending = self._pending
+        if pending is not None and not pending.done():
+            pending.add_done_callback(lambda _: self._remove(Path(path)))
+        else:
+            self._remove(Path(path))
+
+    def _remove(self, path: Path) -> None:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
@@ -594,6 +608,27 @@ def _replace_directory(source: Path, target: Path) -> None:
 # --- consolidation -------------------------------------------------------------------------------------
 
 
+def read_tensors(checkpoint_dir: _PATH, prefix: str = "") -> dict[str, Tensor]:
+    """Every tensor of the sharded checkpoint whose key starts with ``prefix``, read in this process (on CPU).
+
+    Keys are as saved (``"state_dict.layers.0.tok.weight"``, ``"previous..."``, ``"optimizer.state..."``).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    index = read_index(checkpoint_dir)
+    keys = [k for k, md in index.state_dict_metadata.items() if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)]
+    check_shard_files(checkpoint_dir, index, keys)
+    targets = {k: _empty_like_saved(index.state_dict_metadata[k]) for k in keys}
+    try:
+        dcp.load(targets, storage_reader=SafeReader(checkpoint_dir),
+                 planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+    except (Exception, CheckpointException) as error:
+        raise RuntimeError(
+            f"Could not read the checkpoint {checkpoint_dir} ({', '.join(_shard_files(index, keys))}): a shard is "
+            f"damaged ({type(error).__name__}: {error})."
+        ) from error
+    return targets
+
+
 def consolidate(checkpoint_dir: _PATH, out: _PATH) -> dict[str, Any]:
     """Write the sharded checkpoint ``checkpoint_dir`` as one Lightning checkpoint file ``out``.
 
@@ -604,24 +639,12 @@ def consolidate(checkpoint_dir: _PATH, out: _PATH) -> dict[str, Any]:
     Returns:
         The checkpoint written.
     """
-    checkpoint_dir = Path(checkpoint_dir)
-    index = read_index(checkpoint_dir)
-    keys = [k for k, md in index.state_dict_metadata.items() if k.startswith(_MODEL) and isinstance(md, TensorStorageMetadata)]
-    check_shard_files(checkpoint_dir, index, keys)
-    targets = {k: _empty_like_saved(index.state_dict_metadata[k]) for k in keys}
-    try:
-        dcp.load(targets, storage_reader=SafeReader(checkpoint_dir),
-                 planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
-    except Exception as error:
-        raise RuntimeError(
-            f"Could not read the checkpoint {checkpoint_dir} ({', '.join(_shard_files(index, keys))}): a shard is "
-            f"damaged ({type(error).__name__}: {error})."
-        ) from error
+    weights = read_tensors(checkpoint_dir, _MODEL)
     meta = ShardedCheckpointIO().load_checkpoint(checkpoint_dir)
     for key in ("optimizer_states", "lr_schedulers"):
         meta.pop(key, None)
     info = meta.pop(CHECKPOINT_KEY, {})
-    meta["state_dict"] = {k[len(_MODEL):]: v for k, v in targets.items()}
+    meta["state_dict"] = {k[len(_MODEL):]: v for k, v in weights.items()}
     meta["consolidated_from"] = {"path": str(checkpoint_dir), "num_stages": info.get("num_stages"),
                                  "schedule": info.get("schedule")}
     out = Path(out)
@@ -632,8 +655,26 @@ def consolidate(checkpoint_dir: _PATH, out: _PATH) -> dict[str, Any]:
     return meta
 
 
+def consolidate_main(argv: list[str]) -> None:
+    """``python -m lightning_async_pp consolidate CHECKPOINT_DIR OUT``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_async_pp consolidate",
+        description="Write a sharded async_pp checkpoint directory as one Lightning checkpoint file (weights and "
+        "metadata, no optimizer state), loadable with torch.load(weights_only=True) on one device.",
+    )
+    parser.add_argument("checkpoint_dir", help="checkpoint directory written by AsyncPipelineStrategy")
+    parser.add_argument("out", help="the single-file checkpoint to write")
+    args = parser.parse_args(argv)
+    meta = consolidate(args.checkpoint_dir, args.out)
+    count = sum(t.numel() for t in meta["state_dict"].values())
+    print(f"Wrote {args.out}: {len(meta['state_dict'])} tensors, {count:,} values, global step {meta.get('global_step')}")
+
+
 __all__ = [
     "ShardedCheckpointIO",
     "consolidate",
     "is_sharded_checkpoint",
+    "read_tensors",
 ]

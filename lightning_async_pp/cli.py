@@ -2,9 +2,10 @@
 
     python -m lightning_async_pp fit --config examples/configs/quickstart.yaml
     async-pp fit --config examples/configs/quickstart.yaml --trainer.max_steps 50
+    python -m lightning_async_pp consolidate lightning_logs/version_0/checkpoints/last.ckpt model.ckpt
 
 Both forms behave alike: a ``class_path`` may name a module in the current folder, and the exit status is 0
-after success and non-zero after an error.
+after success and non-zero after an error. ``consolidate`` writes a sharded checkpoint as one file.
 """
 
 from __future__ import annotations
@@ -86,12 +87,19 @@ def main(args: Sequence[str] | None = None) -> int:
     """Run the command line (``async-pp`` and ``python -m lightning_async_pp``).
 
     Args:
-        args: The arguments, ``None`` for ``sys.argv[1:]``.
+        args: The arguments, ``None`` for ``sys.argv[1:]``. ``consolidate CHECKPOINT_DIR OUT`` writes a sharded
+            checkpoint as one file (:func:`lightning_async_pp.checkpoint.consolidate`).
 
     Returns:
         0 after success. Errors raise: argument errors as ``SystemExit(2)``, failures of the run as their
         exception, so the process exits with a non-zero status either way.
     """
+    argv = list(args) if args is not None else sys.argv[1:]
+    if argv[:1] == ["consolidate"]:  # not a LightningCLI subcommand
+        from lightning_async_pp.checkpoint import consolidate_main
+
+        consolidate_main(argv[1:])
+        return 0
     _current_folder_importable()
     AsyncPipelineCLI(
         LightningModule,

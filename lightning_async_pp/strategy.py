@@ -890,6 +890,18 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self.checkpoint_io.save_checkpoint(payload, filepath, storage_options=storage_options)
 
     @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if not self.is_global_zero:
+            return
+        io = self.checkpoint_io
+        executor = getattr(io, "_executor", None)  # Lightning's AsyncCheckpointIO
+        if isinstance(io, _WrappingCheckpointIO) and executor is not None:
+            # Queued behind the saves already submitted, one of which may be writing this very checkpoint.
+            executor.submit(io.checkpoint_io.remove_checkpoint, filepath)
+        else:
+            io.remove_checkpoint(filepath)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Read Lightning's metadata and, in place, this stage's tensors, from any stage count it was saved with."""
         self._restored_sharded = False

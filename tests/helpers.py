@@ -33,6 +33,22 @@ def random_batches(
     return [(row[:, :-1].clone(), row[:, 1:].clone()) for row in data]
 
 
+def global_batches(steps: int, replicas: int, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What ``replicas`` pipeline replicas read together at each step from ``random_batches(steps * replicas)``.
+
+    At step t replica r reads the t-th item of its shard (Lightning's DistributedSampler for training:
+    shuffled with seed 0); the global batch is the union of the replicas' batches.
+    """
+    from torch.utils.data import DistributedSampler
+
+    items = random_batches(steps * replicas, **kwargs)
+    shards = [list(DistributedSampler(items, num_replicas=replicas, rank=r, shuffle=True, seed=0)) for r in range(replicas)]
+    return [
+        tuple(torch.cat([items[shards[r][t]][k] for r in range(replicas)]) for k in range(2))
+        for t in range(steps)
+    ]
+
+
 def loader(batches) -> DataLoader:
     # Each item is already a batch; batch_size=None hands it through unchanged.
     return DataLoader(batches, batch_size=None, shuffle=False)

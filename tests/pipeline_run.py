@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import loader, random_batches, save_stage, tiny_gpt  # noqa: E402
+from helpers import global_batches, loader, random_batches, save_stage, tiny_gpt  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 
@@ -35,6 +35,8 @@ def make_optimizer(name: str):
 
     if name == "muon":
         return lambda params: Muon(params, lr=0.02, adamw_lr=1e-2)
+    if name == "corrected_adamw":
+        return lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
     if name == "corrected_muon":
         return lambda params: DelayCorrected(Muon(params, lr=0.02, adamw_lr=1e-2))
     raise ValueError(name)
@@ -50,6 +52,17 @@ class FaultInjector(Callback):
         if self.nan_step is not None and trainer.global_step == self.nan_step:
             loss = pl_module.pipeline_loss
             pl_module.pipeline_loss = lambda output, batch: loss(output, batch) * float("nan")
+
+
+class StopAt(Callback):
+    """Ends `fit` after `step` steps, leaving `max_steps` (and so the learning-rate schedule) as in a longer run."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.step is not None and trainer.global_step >= self.step:
+            trainer.should_stop = True
 
 
 class Recorder(Callback):
@@ -90,13 +103,17 @@ def main(argv=None) -> None:
     parser.add_argument("--nan-step", type=int, default=None, help="make the loss NaN from this step on")
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--total-steps", type=int, default=None, help="batches in the data (default: --steps)")
+    parser.add_argument("--stop-at", type=int, default=None, help="end fit after this many steps (of --steps)")
+    parser.add_argument("--lr-schedule", default="constant")
+    parser.add_argument("--global-batches", type=int, default=None,
+                        help="data for this many replicas: each replica reads its shard; one replica reads the union")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.accelerator == "cpu":
         torch.set_num_threads(1)
 
     model = tiny_gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, optimizer=make_optimizer(args.optimizer),
-                     tie_weights=args.tie_weights)
+                     tie_weights=args.tie_weights, lr_schedule=args.lr_schedule)
     split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
     strategy = AsyncPipelineStrategy(
         schedule=args.schedule, num_microbatches=args.microbatches, split_points=split_points,
@@ -108,10 +125,16 @@ def main(argv=None) -> None:
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step)], gradient_clip_val=args.clip,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step), StopAt(args.stop_at)], gradient_clip_val=args.clip,
         precision=args.precision,
     )
     batches = random_batches(args.total_steps or args.steps, batch_size=args.batch_size, block=args.seq)
+    if args.global_batches:
+        replicas = args.devices // (args.pipeline_size or args.devices)
+        total, shards = args.total_steps or args.steps, args.global_batches
+        batches = random_batches(total * shards, batch_size=args.batch_size, block=args.seq)
+        if replicas == 1:
+            batches = global_batches(total, shards, batch_size=args.batch_size, block=args.seq)
     trainer.fit(model, train_dataloaders=loader(batches), ckpt_path=args.ckpt_path)
 
     out = Path(args.out)

@@ -2,23 +2,11 @@
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import fit, random_batches, tiny_gpt
+from helpers import fit, global_batches, tiny_gpt
 from pipeline_run import make_optimizer
 from test_pipeline_exactness import run_pipeline
-
-
-def global_batches(steps, replicas):
-    """At step t replica r reads the t-th item of its shard (Lightning's DistributedSampler for training:
-    shuffled with seed 0); the global batch is the union of the replicas' batches."""
-    items = random_batches(steps * replicas)
-    shards = [list(DistributedSampler(items, num_replicas=replicas, rank=r, shuffle=True, seed=0)) for r in range(replicas)]
-    return [
-        tuple(torch.cat([items[shards[r][t]][k] for r in range(replicas)]) for k in range(2))
-        for t in range(steps)
-    ]
 
 
 # Not Muon: torch's Newton-Schulz iteration runs in bfloat16, which turns the replicas' different summation

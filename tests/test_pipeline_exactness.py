@@ -134,21 +134,22 @@ def test_bf16_mixed_pipeline_tracks_single_device(tmp_path):
 
 
 def test_checkpoint_holds_every_stage_and_both_versions(tmp_path):
+    from lightning_async_pp.checkpoint import read_tensors
+
     result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 6, "corrected_muon", "--save-checkpoint")
-    checkpoint = torch.load(tmp_path / "final.ckpt", weights_only=False)
-    assert sorted(checkpoint["state_dict"]) == sorted(weights)
+    saved = read_tensors(tmp_path / "final.ckpt")
+    current = {k.removeprefix("state_dict."): v for k, v in saved.items() if k.startswith("state_dict.")}
+    previous = {k.removeprefix("previous."): v for k, v in saved.items() if k.startswith("previous.")}
+    assert sorted(current) == sorted(weights) == sorted(previous)  # each stage wrote its own names
     for name, value in weights.items():
-        assert torch.equal(checkpoint["state_dict"][name], value)
-    state = checkpoint["async_pp"]
-    assert state["num_stages"] == 2 and [s["stage"] for s in state["stages"]] == [0, 1]
-    saved = set()
-    for stage in state["stages"]:
-        previous = stage["previous"]  # w[t-1], keyed like the model's parameters
-        saved |= set(previous)
-        assert any(not torch.equal(previous[k], checkpoint["state_dict"][k]) for k in previous)
-        # DelayCorrected keeps one previous-update buffer per parameter, next to the base optimizer state.
-        assert "optimizer" in stage and stage["optimizer"]["state"]
-    assert saved == set(weights)
+        assert torch.equal(current[name], value)
+    # w[t-1] differs from w[t] (the embedding and a hidden block, on different stages)
+    assert not torch.equal(previous["layers.0.tok.weight"], current["layers.0.tok.weight"])
+    assert not torch.equal(previous["layers.4.mlp.0.weight"], current["layers.4.mlp.0.weight"])
+    # DelayCorrected keeps one previous-update buffer per parameter, next to the base optimizer state.
+    assert {f"optimizer.state.{n}.previous_update" for n in weights} <= set(saved)
+    meta = torch.load(tmp_path / "final.ckpt" / "meta.pt", weights_only=True)["async_pp"]
+    assert meta["num_stages"] == 2 and meta["partition"] == [[0, 3], [3, 6]] and meta["version"] == 6
 
 
 @pytest.mark.slow
