@@ -104,6 +104,8 @@ def main(argv=None) -> None:
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--total-steps", type=int, default=None, help="batches in the data (default: --steps)")
     parser.add_argument("--stop-at", type=int, default=None, help="end fit after this many steps (of --steps)")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="ModelCheckpoint every this many steps, during training, to DIR/final.ckpt")
     parser.add_argument("--lr-schedule", default="constant")
     parser.add_argument("--global-batches", type=int, default=None,
                         help="data for this many replicas: each replica reads its shard; one replica reads the union")
@@ -122,10 +124,16 @@ def main(argv=None) -> None:
         trace_dir=str(Path(args.out) / "trace") if args.trace else None,
     )
     recorder = Recorder()
+    callbacks = [recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step), StopAt(args.stop_at)]
+    if args.checkpoint_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=args.out, filename="final", every_n_train_steps=args.checkpoint_every))
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step), StopAt(args.stop_at)], gradient_clip_val=args.clip,
+        logger=False, enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
+        gradient_clip_val=args.clip,
         precision=args.precision,
     )
     batches = random_batches(args.total_steps or args.steps, batch_size=args.batch_size, block=args.seq)

@@ -257,7 +257,9 @@ def test_model_checkpoint_keeps_the_top_two_on_two_stages(tmp_path, io):
         meta = torch.load(directory / name / "meta.pt", weights_only=True)
         assert meta["global_step"] == int(name[5]) and meta["async_pp"]["num_stages"] == 2
         assert sorted(p.name for p in (directory / name).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    last = read_tensors(directory / "last.ckpt", "state_dict.")
-    assert sorted(last) == sorted(f"state_dict.{n}" for n in weights)
-    for name, value in weights.items():
-        assert torch.equal(last[f"state_dict.{name}"], value), name
+    # The last validation ran at step 8 (fit stops at max_steps=10 before the next): `last` is step 8's state.
+    assert torch.load(directory / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 8
+    last, best = read_tensors(directory / "last.ckpt"), read_tensors(directory / "step=8.ckpt")
+    assert {f"state_dict.{n}" for n in weights} | {f"previous.{n}" for n in weights} <= set(last)
+    assert sorted(last) == sorted(best) and all(torch.equal(last[k], best[k]) for k in best)
+    assert any(not torch.equal(last[f"state_dict.{n}"], weights[n]) for n in weights)  # 2 more steps trained

@@ -1,7 +1,7 @@
 """A checkpoint saved at one pipeline shape resumes the same 2BW trajectory at another (P=2->2, 2->3, 3->1, 2->2xD=2).
 
-Each case trains 24 steps straight, and 12 steps, saves (mid-epoch: the data has 24 batches), and resumes in a new
-job of another shape for the other 12; the resumed steps must reproduce the straight run's ``train/loss`` and
+Each case trains 24 steps straight, and 12 steps with a ``ModelCheckpoint`` save at step 12 (mid-epoch: the data
+has 24 batches), and resumes in a new job of another shape for the other 12; the resumed steps must reproduce the straight run's ``train/loss`` and
 final weights. ``DelayCorrected(Muon)``, gradient clipping and a cosine learning-rate schedule are on, so the
 optimizer state, the correction's previous update, both weight versions, the clipping and the schedule's
 position all have to come back, on whichever stage now owns each parameter.
@@ -63,7 +63,7 @@ def test_resume_at_another_pipeline_shape(tmp_path, runs, save, resume, microbat
     key = f"P{save[0]}{'-global' if data else ''}"
     straight, straight_weights, _ = runs(f"straight-{key}", save[0], microbatches[0], *_shape(*save), *data)
     *_, first = runs(f"first-{key}", save[0], microbatches[0], *_shape(*save), *data, "--stop-at", str(STOP),
-                     "--save-checkpoint")
+                     "--checkpoint-every", str(STOP))
     resumed, resumed_weights = _run(
         tmp_path / "resumed", resume[0], microbatches[1], *_shape(*resume), *data,
         "--ckpt-path", str(first / "final.ckpt"),
@@ -74,10 +74,17 @@ def test_resume_at_another_pipeline_shape(tmp_path, runs, save, resume, microbat
         assert resumed["losses"] == straight["losses"][STOP:]
         for name, value in straight_weights.items():
             assert torch.equal(resumed_weights[name], value), name
-    else:
-        # Another P sums the clipping norm's per-stage parts in another order (D: the gradients too): rounding.
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][STOP:]),
-                                   rtol=1e-6, atol=1e-6)
-        assert sorted(resumed_weights) == sorted(straight_weights)
-        for name, value in straight_weights.items():
-            torch.testing.assert_close(resumed_weights[name], value, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        return
+    # Another P sums the clipping norm's per-stage parts in another order (P=1: Lightning's clipping formula; D: the
+    # gradients too), a difference of rounding. The losses agree to 1e-6 (measured). Muon orthogonalises in bfloat16, which
+    # turns such rounding differences into ~1e-4 differences of its matrices (measured: P2->P3 1.3e-6,
+    # P3->P1 2.6e-4); a lost or misplaced state (optimizer moments, previous update, w[t-1], schedule) moves the
+    # losses by 1e-3 or more within the 12 steps.
+    # Replicas also average the gradients in another order; through Muon the losses then drift to ~1e-5
+    # (measured: 8.6e-6, relative 1.5e-6, at the 9th resumed step).
+    loss_tolerance = 1e-5 if replicated else 1e-6
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][STOP:]),
+                               rtol=loss_tolerance, atol=loss_tolerance)
+    assert sorted(resumed_weights) == sorted(straight_weights)
+    for name, value in straight_weights.items():
+        torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=1e-3, msg=lambda m: f"{name}: {m}")
