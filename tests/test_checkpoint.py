@@ -190,6 +190,7 @@ def test_save_killed_midway_is_never_last(tmp_path):
     assert torch.load(directory / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 6
 
 
+@pytest.mark.slow
 def test_consolidated_checkpoint_gives_the_same_validation_loss(tmp_path):
     """2 stages save; `python -m lightning_async_pp consolidate` writes one file; one device validates it."""
     result, weights = run_pipeline(tmp_path / "run", 2, "2bw", 2, 4, "corrected_muon", "--save-checkpoint")
@@ -241,8 +242,8 @@ def _checkpoint_run(out, *extra, devices=2):
 
 @pytest.mark.parametrize("io", [
     pytest.param((), id="sync"),
-    pytest.param(("--async-io",), id="lightning-AsyncCheckpointIO"),
-    pytest.param(("--dcp-async",), id="dcp-async_save"),
+    pytest.param(("--async-io",), id="lightning-AsyncCheckpointIO", marks=pytest.mark.slow),
+    pytest.param(("--dcp-async",), id="dcp-async_save", marks=pytest.mark.slow),
 ])
 def test_model_checkpoint_keeps_the_top_two_on_two_stages(tmp_path, io):
     """monitor + save_top_k=2 + save_last on 2 stages: the two best remain, complete; `last` is the final state."""

@@ -85,3 +85,26 @@ def test_what_the_metrics_relay_reads_and_writes():
     assert trainer.callback_metrics["relayed"] == 1 and isinstance(trainer.callbacks, list)
     checkpoint = ModelCheckpoint(monitor="val/loss")
     assert all(hasattr(checkpoint, name) for name in CHECKPOINT_STATE)
+
+
+def test_checkpoint_io_wrapping():
+    # The strategy puts its ShardedCheckpointIO inside a wrapping plugin (AsyncCheckpointIO) and queues removals
+    # on AsyncCheckpointIO's executor behind the saves already submitted.
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+    wrapper = AsyncCheckpointIO()
+    assert isinstance(wrapper, _WrappingCheckpointIO)
+    assert wrapper._checkpoint_io is None and wrapper._base_checkpoint_io_configured is False
+    assert wrapper._executor is None
+    wrapper.save_checkpoint  # noqa: B018
+    assert "_ensure_setup" in vars(AsyncCheckpointIO)
+
+
+def test_scheduler_warning_reads_the_optimizer_flag():
+    # The strategy marks its optimizer as stepped (`_opt_called`) instead of filtering torch's "lr_scheduler.step()
+    # before optimizer.step()" warning for the whole process.
+    import torch
+
+    source = inspect.getsource(torch.optim.lr_scheduler.LRScheduler)
+    assert '"_opt_called"' in source and "before `optimizer.step()`" in source
