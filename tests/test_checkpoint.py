@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.checkpoint import read_index
-from helpers import fit, loader, random_batches, tiny_gpt
+from helpers import fit, loader, random_batches, run_script, tiny_gpt
 from pipeline_run import make_optimizer
 from test_pipeline_exactness import TIMEOUT, run_pipeline
 
@@ -222,16 +222,8 @@ def test_consolidated_checkpoint_gives_the_same_validation_loss(tmp_path):
 def _checkpoint_run(out, *extra, devices=2):
     command = [sys.executable, str(Path(__file__).parent / "checkpoint_run.py"), "--devices", str(devices),
                "--out", str(out), *extra]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        pytest.fail(f"checkpoint run timed out:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-6000:]
+    returncode, output = run_script(command, TIMEOUT)
+    assert returncode == 0, output[-6000:]
     import json
 
     weights = {}
