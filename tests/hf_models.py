@@ -67,12 +67,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def plain_hf_training(hf_model, batches, microbatches: int) -> list[float]:
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def plain_hf_training(hf_model, batches, microbatches: int, make_optimizer=adamw) -> list[float]:
     """Synchronous training of a ``transformers`` model with its own forward and loss: the 1F1B reference.
 
     Each batch is cut into ``microbatches`` equal slices whose losses are averaged, as a pipeline step does.
     """
-    optimizer = adamw(hf_model.parameters())
+    optimizer = make_optimizer(hf_model.parameters())
     losses = []
     for batch in batches:
         optimizer.zero_grad()

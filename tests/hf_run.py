@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_models import adamw, token_batches, tiny_causal_lm  # noqa: E402
+from hf_models import adamw, sgd, token_batches, tiny_causal_lm  # noqa: E402
 
 import lightning_async_pp.models.hf as hf  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -72,6 +72,8 @@ class Recorder(Callback):
 def make_optimizer(name: str):
     if name == "adamw":
         return adamw
+    if name == "sgd":
+        return sgd
     from lightning_async_pp.optim import DelayCorrected, Muon
 
     if name == "corrected_muon":

@@ -496,11 +496,6 @@ class CausalLM(LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.pipeline_validation_step(self(batch), batch, batch_idx)
 
-    def setup(self, stage: str) -> None:
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        if self.tied and getattr(strategy, "num_stages", 1) > 1 and not _ties_supported():
-            raise NotImplementedError(_TIED_ACROSS_STAGES)
-
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
@@ -515,17 +510,6 @@ class CausalLM(LightningModule):
         else:
             optimizer = self.optimizer_factory(self.named_parameters())
         return with_lr_schedule(optimizer, self)
-
-
-_TIED_ACROSS_STAGES = (
-    "This model ties its output head to its input embedding (tie_word_embeddings=True), and the two sit on "
-    "different pipeline stages, which this version cannot keep in sync. Set `config: {tie_word_embeddings: "
-    "false}` (a new model), or train on one device."
-)
-
-
-def _ties_supported() -> bool:
-    return False
 
 
 def _post_order(module: nn.Module):
