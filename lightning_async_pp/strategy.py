@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_async_pp import checkpoint as sharded
 from lightning_async_pp.hooks import before_optimizer_step, check_gradient_clipping_hook
+from lightning_async_pp.meta_init import MetaLayers
 from lightning_async_pp.metrics import MetricsRelay, reduce_decision
 from lightning_async_pp.module import pipeline_evaluation_step
 from lightning_async_pp.pipeline import schedule as schedules
@@ -194,6 +195,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._pending_stage_stats: dict[int, dict[int, StepStats]] = {}
         self._ties: tied.TiedGradients | None = None
         self.stage_layers: range | None = None
+        self._partition: list[range] | None = None
         self.stage_stats: dict[int, deque[StepStats]] = {}
         """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps, per
         stage, in step order."""
@@ -331,10 +333,10 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # `trainer.init_module(empty_init=True)` builds a multi-stage model on the meta device: each rank
+        # `trainer.init_module(empty_init=True)` builds a multi-stage model's layers on the meta device: each rank
         # materialises only its own stage's layers in `setup`.
         if self.multi_process and empty_init:
-            with torch.device("meta"):
+            with MetaLayers():
                 yield
             return
         with super().tensor_init_context(empty_init):
@@ -345,7 +347,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         # Layers created in `configure_model` start on the meta device too.
         if self.multi_process:
-            with torch.device("meta"):
+            with MetaLayers():
                 yield
             return
         yield
@@ -509,7 +511,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         if leftover:
             raise MisconfigurationException(
                 f"{type(module).__name__} has parameters or buffers outside of `pipeline_layers()` that are still on "
-                f"the meta device: {leftover[:5]}. Every parameter must belong to exactly one pipeline layer."
+                f"the meta device: {leftover[:5]}. Every parameter must belong to exactly one pipeline layer; a "
+                "buffer outside the layers must be created by the LightningModule's own code (then it is not put "
+                "on the meta device), not by a submodule."
             )
 
     def _localize_metrics(self, module: LightningModule) -> None:

@@ -113,18 +113,24 @@ def main(argv=None) -> None:
     parser.add_argument("--normal", action="store_true", help="meta: build the model normally")
     parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--split-points", default=None, help="comma-separated stage boundaries")
+    parser.add_argument("--validate", action="store_true", help="validate on 2 batches at the end of training")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    strategy = AsyncPipelineStrategy(num_microbatches=args.microbatches, timeout=timedelta(seconds=60))
+    split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
+    strategy = AsyncPipelineStrategy(
+        num_microbatches=args.microbatches, split_points=split_points, timeout=timedelta(seconds=60)
+    )
     callbacks = [CallbackCounter()] if args.scenario == "hooks" else []
+    validation = dict(limit_val_batches=2, val_check_interval=args.steps) if args.validate else dict(limit_val_batches=0)
     trainer = Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=callbacks, **validation,
     )
     if args.scenario == "hooks":
         model = hooked_gpt()
@@ -144,7 +150,8 @@ def main(argv=None) -> None:
                 model = tiny_gpt(n_layer=4)
     recorder = LossRecorder()
     trainer.callbacks.append(recorder)
-    trainer.fit(model, train_dataloaders=data, ckpt_path=args.ckpt_path)
+    val_data = loader(random_batches(2, seed=1)) if args.validate else None
+    trainer.fit(model, train_dataloaders=data, val_dataloaders=val_data, ckpt_path=args.ckpt_path)
 
     rank = trainer.global_rank
     if args.scenario == "hooks":
@@ -157,7 +164,9 @@ def main(argv=None) -> None:
             trainer.save_checkpoint(out / "final.ckpt")
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"weights_rank{rank}.pt")
         if rank == 0:
-            (out / "losses.json").write_text(json.dumps({"losses": recorder.losses, "steps": recorder.steps}))
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            result = {"losses": recorder.losses, "steps": recorder.steps, "val": metrics}
+            (out / "losses.json").write_text(json.dumps(result))
 
 
 class LossRecorder(Callback):
