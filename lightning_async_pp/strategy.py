@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_async_pp import checkpoint as sharded
+from lightning_async_pp.data_order import local_seed, same_order_loader, sampler_kwargs
 from lightning_async_pp.hooks import before_optimizer_step, check_gradient_clipping_hook
 from lightning_async_pp.meta_init import MetaLayers
 from lightning_async_pp.metrics import MetricsRelay, reduce_decision
@@ -196,6 +197,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._ties: tied.TiedGradients | None = None
         self.stage_layers: range | None = None
         self._partition: list[range] | None = None
+        self._data_seed = 0
         self.stage_stats: dict[int, deque[StepStats]] = {}
         """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps, per
         stage, in step order."""
@@ -263,7 +265,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.data_parallel_size, "rank": self.replica}
+        return sampler_kwargs(self.data_parallel_size, self.replica, self._data_seed)
 
     @override
     def _configure_launcher(self) -> None:
@@ -369,6 +371,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self.check_model(module)
         if self.multi_process:
             self._create_groups()
+            # One data order for every stage of a pipeline: the shuffle seed is rank 0's (see data_order).
+            self._data_seed = self.broadcast(local_seed(), src=0)
             self._place_stage(module)
             self._metrics.attach(trainer)
         else:
@@ -711,6 +715,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or isinstance(dataloader, ResumableLoader):
             return dataloader
+        if self.multi_process:
+            dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
         # A resumed run continues mid-epoch exactly where the checkpoint was taken.
         progress = trainer.fit_loop.epoch_loop.batch_progress
         return ResumableLoader(dataloader, lambda: progress.current.completed)

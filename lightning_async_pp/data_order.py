@@ -1,0 +1,98 @@
+"""Every stage of a pipeline reads the same batches, in the same order.
+
+Each process of a pipeline runs its own training dataloader: the first stage takes the inputs of a batch, the
+last stage the targets of *its* batch. If the processes shuffle differently, the two come from different
+samples. The strategy therefore gives every stage of one pipeline the same data order, and each replica its
+own shard, whatever the processes' global random states:
+
+- a shuffled ``DataLoader`` (``shuffle=True``: a ``RandomSampler``) gets a ``DistributedSampler`` with one seed
+  agreed by all processes (rank 0's ``seed_everything`` seed, or 0), reshuffled from that seed and the epoch,
+  so a run resumed in another epoch draws the same order as the uninterrupted one;
+- worker processes get their seeds from that seed and the epoch too, and ``seed_everything(workers=True)``
+  mixes in the replica, not the global rank, so random transforms in workers agree between the stages;
+- replicas (data parallelism) read disjoint shards, as with DDP.
+
+What this cannot reach (a sampler of the user's own, random transforms in the main process, a dataset that
+differs per process) is caught by the micro-batch fingerprint: see
+:mod:`lightning_async_pp.pipeline.fingerprint`.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import pl_worker_init_function
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+# Keeps the stream of worker base seeds apart from the shuffle, which uses `seed + epoch` itself.
+_WORKER_STREAM = 0x5EED
+
+
+def local_seed() -> int:
+    """This process's candidate for the data seed: the ``seed_everything`` seed, or 0 (Lightning's DDP default)."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+class EpochSampler(DistributedSampler):
+    """``DistributedSampler`` that also reseeds the dataloader's worker seeds from ``seed`` and the epoch.
+
+    A ``DataLoader`` draws its workers' base seed from its ``generator`` each time an epoch's iterator starts;
+    reseeding that generator at :meth:`set_epoch` makes every stage (and a resumed run) give its workers the
+    same seeds.
+    """
+
+    def __init__(self, *args: Any, worker_generator: torch.Generator, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.worker_generator = worker_generator
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.worker_generator.manual_seed(self.seed * 1_000_003 + _WORKER_STREAM + epoch)
+
+
+def same_order_loader(dataloader: Any, seed: int, num_replicas: int, replica: int) -> Any:
+    """Make a training dataloader read the same order on every stage of a pipeline.
+
+    Args:
+        dataloader: The training dataloader, after Lightning's own processing (with replicas it already has a
+            ``DistributedSampler`` built from :func:`sampler_kwargs`).
+        seed: The seed all processes agreed on.
+        num_replicas: Number of pipeline replicas ``D``.
+        replica: This process's replica.
+
+    Returns:
+        The dataloader to use: a shuffled one is rebuilt around an :class:`EpochSampler`; others are returned
+        with their worker seeding fixed.
+    """
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    sampler = dataloader.sampler
+    shuffled = isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None
+    if shuffled or type(sampler) is DistributedSampler:
+        generator = torch.Generator()
+        if shuffled:
+            arguments = dict(num_replicas=num_replicas, rank=replica, shuffle=True, seed=seed)
+        else:  # Lightning's, for replicas (or the user's own): keep its order, add the worker seeding
+            arguments = dict(num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=sampler.shuffle,
+                             seed=sampler.seed, drop_last=sampler.drop_last)
+        epoch_sampler = EpochSampler(dataloader.dataset, worker_generator=generator, **arguments)
+        dataloader = _update_dataloader(dataloader, epoch_sampler, mode=RunningStage.TRAINING)
+        dataloader.generator = generator
+    elif dataloader.num_workers > 0 and getattr(dataloader, "generator", None) is None:
+        # Not shuffled by us: still give the workers one base-seed stream on every stage.
+        dataloader.generator = torch.Generator().manual_seed(seed * 1_000_003 + _WORKER_STREAM)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)) and dataloader.worker_init_fn is None:
+        # Lightning would mix the global rank into the worker seeds, which differs between the stages.
+        dataloader.worker_init_fn = partial(pl_worker_init_function, rank=replica)
+    return dataloader
+
+
+def sampler_kwargs(num_replicas: int, replica: int, seed: int) -> dict[str, Any]:
+    """Arguments of the ``DistributedSampler`` Lightning injects when there are replicas."""
+    return {"num_replicas": num_replicas, "rank": replica, "seed": seed}

@@ -1,0 +1,76 @@
+"""Every stage of a pipeline reads the same samples; when it cannot, the job stops at the first micro-batch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from helpers import run_script
+from stage_run import IndexedTokens, sample_ids
+
+RUNNER = Path(__file__).parent / "stage_run.py"
+TIMEOUT = 420
+
+
+def expected_order(size: int, epoch: int, seed: int = 0) -> list[int]:
+    """A DistributedSampler's shuffle for one replica: the order the strategy promises every stage."""
+    sampler = DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_shuffled_loader_without_seeding_gives_every_stage_the_same_samples(tmp_path):
+    """`DataLoader(shuffle=True)`, no seed_everything, 2 stages, 2 epochs: the first stage (inputs) and the last
+    stage (targets) see the same samples in every micro-batch, in the order seeded by 0 and the epoch."""
+    steps, per_epoch, microbatches = 4, 2, 2
+    returncode, output = run_script([
+        sys.executable, str(RUNNER), "shuffled", "--devices", "2", "--steps", str(steps),
+        "--epochs-of", str(per_epoch), "--microbatches", str(microbatches), "--out", str(tmp_path),
+    ], TIMEOUT)
+    assert returncode == 0, output[-6000:]
+    last, first = (json.loads((tmp_path / f"seen_rank{r}.json").read_text()) for r in range(2))  # rank 0: last
+    assert len(first) == steps * microbatches
+    assert first == last
+    size = 8 * per_epoch
+    expected = expected_order(size, 0) + expected_order(size, 1)
+    assert [i for microbatch in first for i in microbatch] == expected
+    assert expected_order(size, 0) != expected_order(size, 1) != sorted(expected_order(size, 0))
+
+
+def test_same_order_loader_ignores_the_process_random_state_and_resumes_by_epoch():
+    """Two processes with different global random states, and a resumed run that starts in epoch 3, draw the
+    same order for the same epoch; worker base seeds too."""
+    from lightning_async_pp.data_order import same_order_loader
+
+    def order(global_seed: int, epoch: int) -> tuple[list[int], int]:
+        torch.manual_seed(global_seed)
+        loader = same_order_loader(
+            DataLoader(IndexedTokens(16), batch_size=4, shuffle=True, drop_last=True), seed=7, num_replicas=1, replica=0
+        )
+        loader.sampler.set_epoch(epoch)
+        worker_base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator))
+        return [i for batch in loader for i in sample_ids(batch)], worker_base_seed
+
+    assert order(1, 0) == order(2, 0)
+    assert order(1, 3) == order(2, 3)
+    assert order(1, 3)[0] == expected_order(16, 3, seed=7)
+    assert order(1, 0) != order(1, 3)
+
+
+def test_replicas_read_disjoint_shards_in_the_same_order_on_every_stage():
+    from lightning_async_pp.data_order import same_order_loader
+
+    shards = []
+    for replica in range(2):
+        torch.manual_seed(replica)  # a different process
+        loader = same_order_loader(
+            DataLoader(IndexedTokens(16), batch_size=4, shuffle=True), seed=0, num_replicas=2, replica=replica
+        )
+        loader.sampler.set_epoch(1)
+        shards.append([i for batch in loader for i in sample_ids(batch)])
+    assert not set(shards[0]) & set(shards[1])
+    assert sorted(shards[0] + shards[1]) == list(range(16))
