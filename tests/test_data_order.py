@@ -74,3 +74,44 @@ def test_replicas_read_disjoint_shards_in_the_same_order_on_every_stage():
         shards.append([i for batch in loader for i in sample_ids(batch)])
     assert not set(shards[0]) & set(shards[1])
     assert sorted(shards[0] + shards[1]) == list(range(16))
+
+
+def test_loader_that_differs_per_rank_stops_the_job_in_its_first_micro_batch(tmp_path):
+    """Data that depend on the rank cannot be made to agree: the last stage sees that its micro-batch is not the
+    one the first stage sent an activation for, and the whole job stops at once with a message."""
+    returncode, output = run_script([
+        sys.executable, str(RUNNER), "differing", "--devices", "2", "--steps", "4", "--out", str(tmp_path),
+    ], TIMEOUT)
+    assert returncode != 0
+    assert "Pipeline stages 0 and 1 read different data for step 0, micro-batch 0" in output, output[-4000:]
+    assert "Seed those identically in every process" in output
+    # Stage 1 (rank 0) raised before running the micro-batch: nothing was trained on, nothing was recorded.
+    assert not (tmp_path / "seen_rank0.json").exists()
+
+
+def test_fingerprint_tells_batches_apart():
+    from lightning_async_pp.pipeline.fingerprint import fingerprint
+
+    torch.manual_seed(0)
+    tokens, targets = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))
+    images = torch.randn(4, 3, 8, 8)
+    batch = {"tokens": tokens, "targets": targets, "images": images, "mask": tokens > 3}
+    reference = fingerprint(batch)
+    assert reference.dtype == torch.int64 and reference.shape == (2,)
+    assert torch.equal(fingerprint({k: v.clone() for k, v in batch.items()}), reference)
+
+    def changed(**replacement):
+        return not torch.equal(fingerprint({**batch, **replacement}), reference)
+
+    one_token = tokens.clone()
+    one_token[2, 5] += 1
+    assert changed(tokens=one_token)
+    assert changed(tokens=tokens[[1, 0, 2, 3]])  # same samples, another order
+    one_ulp = images.clone()
+    one_ulp[1, 2, 3, 4] = torch.nextafter(one_ulp[1, 2, 3, 4], torch.tensor(float("inf")))
+    assert changed(images=one_ulp)  # one float, by one unit in the last place
+    assert changed(images=images.to(torch.bfloat16))
+    assert changed(tokens=tokens.reshape(8, 8))
+    large = torch.randint(0, 1000, (1 << 18,))
+    shuffled_large = large[torch.randperm(large.numel())]
+    assert not torch.equal(fingerprint(large), fingerprint(shuffled_large))  # beyond the sampled elements

@@ -43,6 +43,7 @@ from lightning_async_pp.pipeline import activations
 from lightning_async_pp.pipeline.activations import Spec
 from lightning_async_pp.pipeline.comm import Channel
 from lightning_async_pp.pipeline.contract import Stage
+from lightning_async_pp.pipeline.fingerprint import FingerprintCheck, fingerprint
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 from lightning_async_pp.pipeline.schedule import (
     Action,
@@ -160,6 +161,11 @@ class StageRuntime:
         trace: Record the start and end time of every action (the last ``trace_window`` actions).
         trace_window: How many actions the trace keeps (a sliding window, so long runs stay bounded).
         start_version: Weight version the parameters hold (non-zero when resuming).
+        check_data_order: Send a fingerprint of each micro-batch with its activation and stop with
+            :class:`~lightning_async_pp.pipeline.fingerprint.DataOrderError` when a stage's own micro-batch does
+            not match the previous stage's. On CPU the check stops the micro-batch before its forward; on a GPU
+            the result is read without waiting for the device, at the latest two steps later and at every
+            :meth:`drain`. Every stage of a pipeline must agree on it.
         before_update: Called once per step when the stage's gradient of that step is complete (averaged over
             the replicas, not yet clipped), with the gradient in the parameters' ``.grad``, before the norm for
             clipping is taken and the update applied. It may read or change the gradients in place. A tied
@@ -193,6 +199,7 @@ class StageRuntime:
     check_finite: bool = True
     before_update: Callable[[], None] | None = None
     ties: TiedGradients | None = None
+    check_data_order: bool = True
     trace_window: int = 20_000
     events: collections.deque[tuple[str, float, float]] = field(default_factory=collections.deque)
 
@@ -231,6 +238,8 @@ class StageRuntime:
         self._send_spec: Spec | None = None  # of the messages to the next stage, fixed once per layout
         self._losses: dict[int, list[Tensor]] = {}
         self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
+        self._fingerprints: dict[Key, Tensor] = {}  # received from the previous stage, then this stage's to send
+        self._order_checks: collections.deque[tuple[int, FingerprintCheck]] = collections.deque()
         self._hyperparameters: dict[int, list[dict[str, Any]]] = {}
         # Param-group keys set from outside the optimizer (a scheduler, the user): only those are versioned per
         # step. Keys the optimizer writes itself (schedule-free's `k`, Prodigy's `d`) are its own state.
@@ -257,6 +266,7 @@ class StageRuntime:
         from :meth:`take_stats`.
         """
         self._read_finite_checks(wait_beyond=2)
+        self._read_order_checks(oldest_step=step - 2)
         if self.run_start is None:
             self.run_start = step
             self._forget_layouts()  # evaluation may have sent other shapes since the last run
@@ -318,6 +328,7 @@ class StageRuntime:
             if channel is not None:
                 channel.wait_sends()
         self._read_finite_checks(wait_beyond=0)
+        self._read_order_checks(oldest_step=None)
         self._resolve_timings(wait_beyond=0)
         self.run_start = None
         self._hyperparameters.clear()
@@ -340,8 +351,12 @@ class StageRuntime:
                 channel.forget_layout()
         self._recv_spec = self._send_spec = None
 
-    def _receive_input(self) -> tuple[Any, Spec]:
-        value, self._recv_spec = activations.read_message(self.prev.recv(), self._recv_spec)
+    def _receive_input(self, key: Key | None = None) -> tuple[Any, Spec]:
+        message = self.prev.recv()
+        if key is not None and self.check_data_order:
+            # A training message ends with the fingerprint of its micro-batch (see `_check_data_order`).
+            self._fingerprints[key], message = message[-1], message[:-1]
+        value, self._recv_spec = activations.read_message(message, self._recv_spec)
         return value, self._recv_spec
 
     def _output_message(self, y: Any) -> tuple[list[Tensor], Spec]:
@@ -382,6 +397,13 @@ class StageRuntime:
         while checks and (len(checks) > wait_beyond or checks[0].ready()):
             checks.popleft().raise_if_not_finite()
 
+    def _read_order_checks(self, oldest_step: int | None) -> None:
+        """Raise for a data-order mismatch the device has reported; wait for checks of steps before ``oldest_step``
+        (all if ``None``)."""
+        checks = self._order_checks
+        while checks and (oldest_step is None or checks[0][0] < oldest_step or checks[0][1].ready()):
+            checks.popleft()[1].raise_if_different()
+
     # --- the interpreter -------------------------------------------------------------------------------
 
     def _execute(self, actions: list[Action]) -> None:
@@ -415,11 +437,15 @@ class StageRuntime:
         elif op is Op.BACKWARD:
             self._backward(key)
         elif op is Op.RECV_F:
-            self._received[key] = self._receive_input()
+            self._received[key] = self._receive_input(key)
         elif op is Op.RECV_B:
             self._input_grads[key] = self.next.recv()
         elif op is Op.SEND_F:
-            self.next.send(self._output_message(self._inflight[key][2])[0], post_recv=post_next)
+            message = self._output_message(self._inflight[key][2])[0]
+            data_fingerprint = self._fingerprints.pop(key, None)
+            if data_fingerprint is not None:
+                message = [*message, data_fingerprint]
+            self.next.send(message, post_recv=post_next)
         elif op is Op.SEND_B:
             # A message holds at least one tensor: an input without gradients answers with an empty one.
             grads = self._input_grads.pop(key) or [torch.zeros(0, device=self.device)]
@@ -432,6 +458,8 @@ class StageRuntime:
     def _forward(self, a: Action, key: Key) -> None:
         self._complete_updates(up_to_version=a.version)
         microbatch = self._microbatches[a.step][a.microbatch]
+        if self.check_data_order and self.num_stages > 1:
+            self._check_data_order(key, microbatch)
         x_spec = None
         if self.is_first:
             x = self.inputs_fn(microbatch)
@@ -448,6 +476,15 @@ class StageRuntime:
         y_spec = None if self.is_last else activations.flatten(y)[1]
         self._inflight[key] = (x, x_spec, y, y_spec)
         self._pinned[key] = weights
+
+    def _check_data_order(self, key: Key, microbatch: Any) -> None:
+        """Compare this stage's micro-batch with the previous stage's; keep this stage's fingerprint to send on."""
+        mine = fingerprint(microbatch)
+        if not self.is_first:
+            self._order_checks.append((key[0], FingerprintCheck(mine, self._fingerprints.pop(key), *key, self.stage)))
+            self._read_order_checks(oldest_step=key[0] - 2)  # on CPU: this micro-batch's own check, at once
+        if not self.is_last:
+            self._fingerprints[key] = mine
 
     def _backward(self, key: Key) -> None:
         x, x_spec, y, y_spec = self._inflight.pop(key)

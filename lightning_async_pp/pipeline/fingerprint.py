@@ -1,0 +1,119 @@
+"""A micro-batch's fingerprint: proof that neighbouring stages read the same data.
+
+Every stage runs its own dataloader; the first uses a micro-batch's inputs, the last its targets. Each stage
+computes a fingerprint of its micro-batch, the same way, and sends it with the activation (one extra int64
+tensor of the message); the receiving stage compares it with its own before it runs the micro-batch. A
+mismatch stops the job with :class:`DataOrderError`, naming the step, the micro-batch and the two stages.
+
+The fingerprint is two int64 numbers, computed on the device without waiting for it: the sum of the bit
+patterns of every element of every tensor (any changed value changes it), and a position-weighted hash of at
+most :data:`SAMPLE` evenly spaced elements per tensor mixed with the shapes and dtypes (a reordering changes
+it). Integer arithmetic wraps around identically everywhere, in any summation order, so equal data give
+equal fingerprints on any two devices of the same kind.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
+
+SAMPLE = 1 << 16
+_SPREAD, _OFFSET, _MIX = 0x2545F4914F6CDD1D, 0x1B873593, 0x5851F42D4C957F2D
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _words(t: Tensor) -> Tensor:
+    """The tensor's elements as integers: the bit pattern of floats, the value of integers and booleans."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        bits = _BITS.get(t.dtype)
+        if bits is None:  # e.g. float8: hash its value
+            return t.to(torch.float32).contiguous().view(torch.int32)
+        return t.contiguous().view(bits)
+    return t
+
+
+def fingerprint(batch: Any) -> Tensor:
+    """Two int64 numbers that identify the tensors of ``batch`` (on their device; no host synchronisation).
+
+    Args:
+        batch: A micro-batch: a tensor or any collection of tensors.
+
+    Returns:
+        An int64 tensor of shape ``(2,)`` on the device of the batch's first tensor.
+    """
+    tensors: list[Tensor] = []
+    apply_to_collection(batch, Tensor, tensors.append)
+    if not tensors:
+        return torch.zeros(2, dtype=torch.int64)
+    device = tensors[0].device
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    ordered = torch.zeros((), dtype=torch.int64, device=device)
+    layout = 0
+    for t in tensors:
+        words = _words(t.detach()).reshape(-1)
+        total = total * _MIX + words.sum(dtype=torch.int64)
+        stride = max(1, words.numel() // SAMPLE)
+        sample = words[::stride][:SAMPLE].to(torch.int64)
+        weights = torch.arange(sample.numel(), dtype=torch.int64, device=device) * _SPREAD + _OFFSET
+        ordered = ordered * _MIX + (sample * weights).sum()
+        layout = zlib.crc32(f"{tuple(t.shape)} {t.dtype}".encode(), layout)  # not hash(): salted per process
+    # Adding a Python number passes it to the kernel: no host-to-device copy.
+    return torch.stack([total, ordered + layout])
+
+
+class DataOrderError(RuntimeError):
+    """Two stages of one pipeline read different data for the same micro-batch."""
+
+
+class FingerprintCheck:
+    """Compares a received fingerprint with this stage's own without making the host wait for the device.
+
+    The comparison runs on the device; its result is copied into host memory (pinned on CUDA) without blocking.
+    :meth:`ready` says whether it has arrived (at once on CPU) and :meth:`raise_if_different` waits for it and
+    raises :class:`DataOrderError` if the fingerprints differ.
+
+    Args:
+        mine: This stage's fingerprint of the micro-batch.
+        received: The previous stage's, from the message.
+        step: The step, for the error message.
+        microbatch: The micro-batch, for the error message.
+        stage: The stage that compares (the sender is ``stage - 1``).
+    """
+
+    def __init__(self, mine: Tensor, received: Tensor, step: int, microbatch: int, stage: int) -> None:
+        self.mine, self.received = mine, received
+        self.step, self.microbatch, self.stage = step, microbatch, stage
+        different = (mine != received).any()
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=mine.is_cuda)
+        self._host.copy_(different, non_blocking=True)
+        self._event = None
+        if mine.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def raise_if_different(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        if not self._host.numpy():  # host memory: reading it is not a device synchronisation
+            return
+        sender, receiver = self.stage - 1, self.stage
+        raise DataOrderError(
+            f"Pipeline stages {sender} and {receiver} read different data for step {self.step}, micro-batch "
+            f"{self.microbatch} (fingerprints {self.received.tolist()} on stage {sender}, {self.mine.tolist()} on "
+            f"stage {receiver}): the first stage would feed the inputs of one batch and the last stage compute "
+            "the loss against the targets of another. Training stops before using it. Every process must produce "
+            "the same batches in the same order: the strategy seeds shuffled DataLoaders and their workers alike "
+            "on every stage, but not a sampler of your own, random transforms in the main process "
+            "(num_workers=0), or data that depend on the rank. Seed those identically in every process (a "
+            "torch.Generator with a fixed seed, or seed_everything before creating the data), or make them "
+            "deterministic."
+        )
