@@ -21,6 +21,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_async_pp.pipeline.host_flag import HostFlag
+
 SAMPLE = 1 << 16
 _SPREAD, _OFFSET, _MIX = 0x2545F4914F6CDD1D, 0x1B873593, 0x5851F42D4C957F2D
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -74,9 +76,9 @@ class DataOrderError(RuntimeError):
 class FingerprintCheck:
     """Compares a received fingerprint with this stage's own without making the host wait for the device.
 
-    The comparison runs on the device; its result is copied into host memory (pinned on CUDA) without blocking.
-    :meth:`ready` says whether it has arrived (at once on CPU) and :meth:`raise_if_different` waits for it and
-    raises :class:`DataOrderError` if the fingerprints differ.
+    The comparison runs on the device and reaches the host as a :class:`HostFlag`: :meth:`ready` says whether it
+    has arrived (at once on CPU) and :meth:`raise_if_different` waits for it and raises :class:`DataOrderError`
+    if the fingerprints differ.
 
     Args:
         mine: This stage's fingerprint of the micro-batch.
@@ -89,21 +91,13 @@ class FingerprintCheck:
     def __init__(self, mine: Tensor, received: Tensor, step: int, microbatch: int, stage: int) -> None:
         self.mine, self.received = mine, received
         self.step, self.microbatch, self.stage = step, microbatch, stage
-        different = (mine != received).any()
-        self._host = torch.empty((), dtype=torch.bool, pin_memory=mine.is_cuda)
-        self._host.copy_(different, non_blocking=True)
-        self._event = None
-        if mine.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._different = HostFlag((mine != received).any())
 
     def ready(self) -> bool:
-        return self._event is None or self._event.query()
+        return self._different.ready()
 
     def raise_if_different(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-        if not self._host.numpy():  # host memory: reading it is not a device synchronisation
+        if not self._different.get():
             return
         sender, receiver = self.stage - 1, self.stage
         raise DataOrderError(

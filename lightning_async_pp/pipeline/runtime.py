@@ -44,6 +44,7 @@ from lightning_async_pp.pipeline.activations import Spec
 from lightning_async_pp.pipeline.comm import Channel
 from lightning_async_pp.pipeline.contract import Stage
 from lightning_async_pp.pipeline.fingerprint import FingerprintCheck, fingerprint
+from lightning_async_pp.pipeline.host_flag import HostFlag
 from lightning_async_pp.pipeline.microbatch import split_microbatches
 from lightning_async_pp.pipeline.schedule import (
     Action,
@@ -649,21 +650,13 @@ class FiniteCheck:
 
     def __init__(self, losses: Tensor, step: int, stage: int) -> None:
         self.losses, self.step, self.stage = losses, step, stage
-        not_finite = ~torch.isfinite(losses).all()
-        self._host = torch.empty((), dtype=torch.bool, pin_memory=losses.is_cuda)
-        self._host.copy_(not_finite, non_blocking=True)
-        self._event = None
-        if losses.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._not_finite = HostFlag(~torch.isfinite(losses).all())
 
     def ready(self) -> bool:
-        return self._event is None or self._event.query()
+        return self._not_finite.ready()
 
     def raise_if_not_finite(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-        if self._host.numpy():  # host memory: reading it is not a device synchronization
+        if self._not_finite.get():
             check_finite_losses(self.losses, self.step, self.stage)
 
 
