@@ -116,3 +116,16 @@ def test_fingerprint_tells_batches_apart():
     assert not torch.equal(fingerprint(large), fingerprint(large[[1, 0, *range(2, 64)]]))
     assert not torch.equal(fingerprint(large), fingerprint(torch.randn(64, 3, 32, 32)))
     assert torch.equal(fingerprint(large), fingerprint(large.clone()))
+
+
+def test_seed_everything_workers_seeds_by_replica_not_by_rank(monkeypatch):
+    """With seed_everything(workers=True) Lightning would seed workers from the global rank, which differs between
+    the stages of a pipeline; the strategy seeds them from the replica."""
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+
+    from lightning_async_pp.data_order import same_order_loader
+
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    loader = same_order_loader(DataLoader(IndexedTokens(16), batch_size=4, shuffle=True), seed=0, num_replicas=2, replica=1)
+    assert loader.worker_init_fn.func is pl_worker_init_function
+    assert loader.worker_init_fn.keywords == {"rank": 1}
