@@ -22,3 +22,13 @@ def machine_description() -> dict[str, Any]:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__}
+
+
+def save_report(report: dict[str, Any], out: str | None) -> None:
+    """Write a benchmark report as indented JSON to ``out`` (creating its folder); nothing if ``out`` is None."""
+    if out:
+        import json
+        from pathlib import Path
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))

@@ -14,14 +14,12 @@ input size, not on the model.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from bench_common import machine_description
+from bench_common import machine_description, save_report
 from lightning_async_pp.demos import GPT
 from lightning_async_pp.pipeline.fingerprint import FingerprintCheck, fingerprint
 from lightning_async_pp.pipeline.microbatch import split_microbatches
@@ -99,9 +97,7 @@ def main(argv=None) -> dict:
         f"{report['stage_step_ms']:.1f} ms; share (median of paired ratios): {100 * paired:.2f}%"
     )
     print(f"one micro-batch of {args.image_batch} images 3x224x224: {report['image_microbatch_fingerprint_ms']:.2f} ms")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    save_report(report, args.out)
     return report
 
 
