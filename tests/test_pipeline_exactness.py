@@ -111,8 +111,10 @@ def test_2bw_has_no_flush_bubble(tmp_path):
     sync_run, _ = run_pipeline(tmp_path / "1f1b", 2, "1f1b", 4, 24, "adamw", *size)
     async_bubble, sync_bubble = _steady_bubbles(async_run), _steady_bubbles(sync_run)
     print(f"steady-state bubble per stage: 2bw {async_bubble}, 1f1b {sync_bubble}")
-    # The first stage idles through every 1F1B warm-up and cool-down; under 2BW it never waits for a flush.
-    assert async_bubble["0"] < 0.5 * sync_bubble["0"]
+    # A flush makes every stage idle through each warm-up and cool-down, so under 1F1B even the busiest stage
+    # waits. Under 2BW the busiest stage never waits; only the faster one waits for it (imbalance, not a flush,
+    # and it varies with how the two processes share the cores), so the least idle stage is what is compared.
+    assert min(async_bubble.values()) < 0.5 * min(sync_bubble.values())
     assert set(async_run["version_lag"]["0"][2:]) == {1}  # step 0 has w[-1] = w[0]
     assert set(sync_run["version_lag"]["0"]) == {0}
 
