@@ -31,6 +31,21 @@ class MetaLayers(TorchFunctionMode):
     block) goes to the meta device, as under ``torch.device("meta")``.
     """
 
+    _depth = 0  # how many MetaLayers modes are open in this process
+
+    def __enter__(self) -> MetaLayers:
+        MetaLayers._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        MetaLayers._depth -= 1
+        super().__exit__(*exc)
+
+    @staticmethod
+    def active() -> bool:
+        """Whether layers built now go to the meta device (a LightningModule's own tensors never do)."""
+        return MetaLayers._depth > 0
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _device_constructors() and kwargs.get("device") is None and not _created_by_non_layer_code():

@@ -376,6 +376,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
             self._place_stage(module)
             self._metrics.attach(trainer)
         else:
+            # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
+            self._data_seed = local_seed()
             if self.num_microbatches > 1 and not is_pipeline_module(module):
                 require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
             if self.activation_checkpointing is not False:
@@ -715,8 +717,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or isinstance(dataloader, ResumableLoader):
             return dataloader
-        if self.multi_process:
-            dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
+        dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
         # A resumed run continues mid-epoch exactly where the checkpoint was taken.
         progress = trainer.fit_loop.epoch_loop.batch_progress
         return ResumableLoader(dataloader, lambda: progress.current.completed)

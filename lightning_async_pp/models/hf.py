@@ -31,6 +31,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from lightning_async_pp.demos.gpt import log_lr_and_throughput, with_lr_schedule
+from lightning_async_pp.meta_init import MetaLayers
 from lightning_async_pp.pipeline.contract import run_layers
 
 try:
@@ -389,7 +390,7 @@ class CausalLM(LightningModule):
 
     def configure_model(self) -> None:
         """Materialise every layer on this module's device, unless the strategy builds stages on the meta device."""
-        if torch.empty(0).is_meta:
+        if torch.empty(0).is_meta or MetaLayers.active():
             return  # a pipeline stage: the strategy materialises only its own layers
         device = self.device if self.device.type != "meta" else torch.device("cpu")
         self._materialize_all(device)
