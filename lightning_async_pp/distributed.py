@@ -8,8 +8,10 @@
   hung stage brings the job down within ``timeout`` instead of leaving its neighbours waiting.
 * The rendezvous store (a ``TCPStore`` on ``MASTER_PORT``) listens only on the loopback interface when
   ``MASTER_ADDR`` is a loopback address (one node): the store is created here on a socket bound to that
-  address. ``init_process_group`` would listen on every interface. Peers exchange pickled objects
-  through the store and the process groups, so a multi-node job assumes a trusted network.
+  address. ``init_process_group`` would listen on every interface. Under torchrun the launcher's agent
+  already hosts the store on ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``) and its workers join it
+  as clients, so nothing is created here. Peers exchange pickled objects through the store and the
+  process groups, so a multi-node job assumes a trusted network.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["barrier", "init_process_group", "is_loopback"]
+__all__ = ["barrier", "init_process_group", "is_loopback", "launcher_hosts_store"]
 
 
 def is_loopback(address: str) -> bool:
@@ -33,6 +35,11 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def launcher_hosts_store() -> bool:
+    """Whether the launcher (torchrun's elastic agent) already serves the rendezvous store on ``MASTER_PORT``."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
 
 
 def init_process_group(
@@ -55,7 +62,7 @@ def init_process_group(
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    if is_loopback(address):
+    if is_loopback(address) and not launcher_hosts_store():
         kwargs["store"] = _loopback_store(address, port, rank, world_size, timeout)
     dist.init_process_group(**kwargs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -63,3 +64,33 @@ def test_rendezvous_store_listens_on_loopback_only():
 def test_is_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1") and is_loopback("127.0.1.1")
     assert not is_loopback("10.0.0.1") and not is_loopback("node-17")
+
+
+TORCHRUN_PROBE = textwrap.dedent(
+    """
+    import datetime, os, torch, torch.distributed as dist
+    from lightning_async_pp.distributed import barrier, init_process_group
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_process_group("gloo", rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                       datetime.timedelta(seconds=60), torch.device("cpu"))
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    barrier(torch.device("cpu"))
+    open(os.environ["PROBE_OUT"] + str(rank), "w").write(str(int(total)))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_torchrun_workers_join_the_agents_store(tmp_path):
+    """torchrun's agent already serves MASTER_PORT: the workers must join its store, not bind their own."""
+    script = tmp_path / "probe.py"
+    script.write_text(TORCHRUN_PROBE)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script),
+    ]
+    env = dict(os.environ, PROBE_OUT=str(tmp_path / "sum"))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(tmp_path / f"sum{rank}").read_text() for rank in (0, 1)] == ["3", "3"]
