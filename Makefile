@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,hf]"
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[test,hf,research]"
 	touch $(STAMP)
 
 train: $(STAMP)

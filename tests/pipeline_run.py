@@ -39,6 +39,17 @@ def make_optimizer(name: str):
         return lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
     if name == "corrected_muon":
         return lambda params: DelayCorrected(Muon(params, lr=0.02, adamw_lr=1e-2))
+    if name == "auto_adamw":
+        return lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), coefficient="auto")
+    if name in ("corrected_soap", "corrected_adan"):
+        # The `research` extra; SOAP recomputes its eigenbases every 2 steps, so 20 steps exercise them.
+        import pytorch_optimizer
+
+        if name == "corrected_soap":
+            return lambda params: DelayCorrected(
+                pytorch_optimizer.SOAP(params, lr=3e-3, weight_decay=0.1, precondition_frequency=2)
+            )
+        return lambda params: DelayCorrected(pytorch_optimizer.Adan(params, lr=1e-2, weight_decay=0.02))
     raise ValueError(name)
 
 

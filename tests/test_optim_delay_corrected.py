@@ -383,3 +383,180 @@ def test_named_parameters_reach_the_base_optimizer_with_their_names():
     assert routed == {"embed.weight": False, "fc.weight": True, "fc.bias": False}
     params_doc = DelayCorrected.__doc__.split("params:", 1)[1].split("base:", 1)[0]
     assert "named_parameters()" in params_doc and "base optimizer" in params_doc
+
+
+# --- coefficient="auto" ------------------------------------------------------------------------------------
+
+
+def sgd_with_lr_factors(grads_at, factors, coefficient, lr=LR):
+    """Runs corrected SGD with lr[t] = lr * factors[t] and gradients grads_at(t); returns the weights per step."""
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    optimizer = DelayCorrected(torch.optim.SGD([param], lr=lr), coefficient=coefficient)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factors[step] if step < len(factors) else 0)
+    weights = []
+    for step in range(len(factors)):
+        param.grad = grads_at(step).clone()
+        optimizer.step()
+        scheduler.step()
+        weights.append(param.detach().clone())
+    return optimizer, param, weights
+
+
+GRAD = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("ratio", [0.8, 0.5])
+def test_auto_with_geometric_updates_is_one_update_ahead(ratio):
+    """u[t] = r u[t-1] (r < 1): c = r from the second step, so w[t+1] is the uncorrected w[t+2] exactly."""
+    factors = [ratio**t for t in range(8)]
+    optimizer, param, weights = sgd_with_lr_factors(lambda t: GRAD, factors, "auto")
+    uncorrected = [-LR * GRAD * sum(ratio**k for k in range(t + 1)) for t in range(len(factors) + 1)]
+    torch.testing.assert_close(weights[0], uncorrected[0])  # the first step is plain
+    for t in range(1, len(factors)):
+        torch.testing.assert_close(weights[t], uncorrected[t + 1], atol=1e-12, rtol=0)
+    state = optimizer.state[param]
+    torch.testing.assert_close(state["lookahead"].double(), torch.tensor(ratio, dtype=torch.float64))
+
+
+def test_auto_with_growing_updates_is_capped_at_one():
+    """u[t] = 1.5 u[t-1]: the slope 1.5 is capped at c = 1, i.e. w[t+1] = v[t+1] - u[t]."""
+    factors = [1.5**t for t in range(6)]
+    optimizer, param, weights = sgd_with_lr_factors(lambda t: GRAD, factors, "auto")
+    for t in range(1, len(factors)):
+        uncorrected = -LR * GRAD * sum(factors[: t + 1])
+        torch.testing.assert_close(weights[t], uncorrected - LR * GRAD * factors[t], atol=1e-12, rtol=0)
+    assert float(optimizer.state[param]["lookahead"]) == 1.0
+
+
+def test_auto_with_constant_updates_equals_coefficient_one_after_the_first_steps():
+    """Constant updates: c = 1, the paper's correction, except that the first step's update is not undone."""
+    factors = [1.0] * 6
+    _, _, auto = sgd_with_lr_factors(lambda t: GRAD, factors, "auto")
+    _, _, fixed = sgd_with_lr_factors(lambda t: GRAD, factors, 1.0)
+    for t in range(1, len(factors)):
+        torch.testing.assert_close(auto[t], -LR * GRAD * (t + 2), atol=1e-12, rtol=0)
+        # c = 1 subtracts u[t] - u[t-1] = 0 after the plain first step: it never gets ahead.
+        torch.testing.assert_close(fixed[t], -LR * GRAD * (t + 1), atol=1e-12, rtol=0)
+
+
+def test_auto_with_oscillating_updates_is_the_base_optimizer():
+    """u[t] = -u[t-1]: the updates predict their successor's sign wrongly, c = 0, plain SGD exactly."""
+    _, _, auto = sgd_with_lr_factors(lambda t: GRAD * (-1) ** t, [1.0] * 6, "auto")
+    _, _, plain = sgd_with_lr_factors(lambda t: GRAD * (-1) ** t, [1.0] * 6, 0.0)
+    for ours, ref in zip(auto, plain):
+        torch.testing.assert_close(ours, ref, atol=1e-12, rtol=0)
+
+
+def test_auto_closed_form_with_random_gradients_per_tensor():
+    """Each tensor has its own running averages and coefficient (checked against the rule in float64)."""
+    generator = torch.Generator().manual_seed(5)
+    steps, decay = 8, 0.9
+    shapes = [(3, 2), (4,), (5,)]
+    grads = [[torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes] for _ in range(steps)]
+    for g in grads:  # positively correlated updates for the first two tensors, not for the third
+        g[0] += 2.0
+        g[1] += 1.0
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in shapes]
+    optimizer = DelayCorrected(
+        torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.3}], lr=LR), coefficient="auto"
+    )
+    lrs = [LR, LR, 0.3]
+    expected = [torch.zeros_like(p) for p in params]
+    averages = [[0.0, 0.0] for _ in params]
+    lookahead = [0.0 for _ in params]
+    for step in range(steps):
+        for param, grad in zip(params, grads[step]):
+            param.grad = grad.clone()
+        optimizer.step()
+        for i in range(len(params)):
+            update = lrs[i] * grads[step][i]
+            if step == 0:
+                expected[i] -= update
+                continue
+            previous = lrs[i] * grads[step - 1][i]
+            averages[i] = [
+                decay * averages[i][0] + (1 - decay) * float((update * previous).sum()),
+                decay * averages[i][1] + (1 - decay) * float((previous * previous).sum()),
+            ]
+            c = min(max(averages[i][0] / averages[i][1], 0.0), 1.0)
+            expected[i] += -update - c * update + lookahead[i] * previous
+            lookahead[i] = c
+        for param, value in zip(params, expected):
+            torch.testing.assert_close(param.detach(), value, atol=1e-12, rtol=0)
+    assert min(lookahead[:2]) > 0.3 and lookahead[2] < min(lookahead[:2])
+    for param, c in zip(params, lookahead):
+        assert float(optimizer.state[param]["lookahead"]) == pytest.approx(c, abs=1e-12)
+
+
+@pytest.mark.parametrize("base", [adamw_factory, muon_factory], ids=["adamw", "muon"])
+def test_auto_state_dict_round_trip_continues_bitwise(base):
+    params = make_params()
+    optimizer = DelayCorrected(base(params), coefficient="auto")
+    run(params, optimizer, range(3))
+    state_dict = optimizer.state_dict()
+    for state in state_dict["state"].values():
+        assert {"previous_update", "lookahead", "update_alignment", "update_square"} <= set(state)
+
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    resumed_params = clone_params(params)
+    resumed = DelayCorrected(base(resumed_params), coefficient="auto")
+    resumed.load_state_dict(torch.load(buffer))
+
+    run(params, optimizer, range(3, 8))
+    run(resumed_params, resumed, range(3, 8))
+    plain = make_params()
+    run(plain, base(plain), range(8))
+    for ours, ref, uncorrected in zip(params, resumed_params, plain):
+        assert torch.equal(ours, ref)
+        assert not torch.allclose(ours, uncorrected, atol=1e-4), "the correction had no effect"
+
+
+@pytest.mark.parametrize("base", [adamw_factory, muon_factory], ids=["adamw", "muon"])
+def test_auto_keeps_one_parameter_sized_buffer(base):
+    params, fixed_params = make_params(), make_params()
+    optimizer = DelayCorrected(base(params), coefficient="auto")
+    plain = DelayCorrected(base(fixed_params), coefficient=1.0)
+
+    def sizes(opt):
+        return sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1)
+
+    run(params, optimizer, range(4))
+    run(fixed_params, plain, range(4))
+    assert sizes(optimizer) == sizes(plain)
+    assert all(optimizer.state[p]["lookahead"].dim() == 0 for p in params)
+
+
+def test_auto_is_refused_misspelt():
+    with pytest.raises(ValueError, match="'auto'"):
+        DelayCorrected(torch.optim.SGD(make_params(), lr=LR), coefficient="Auto")
+
+
+def research_factory(name):
+    """SOAP and Adan from the `research` extra (pytorch-optimizer)."""
+    pytorch_optimizer = pytest.importorskip(
+        "pytorch_optimizer", reason='SOAP and Adan come from the `research` extra: pip install -e ".[research]"'
+    )
+    if name == "soap":
+        return lambda params: pytorch_optimizer.SOAP(params, lr=0.01, weight_decay=0.1, precondition_frequency=2)
+    return lambda params: pytorch_optimizer.Adan(params, lr=0.01, weight_decay=0.02)
+
+
+@pytest.mark.parametrize("coefficient", [1.0, "auto"])
+@pytest.mark.parametrize("name", ["soap", "adan"])
+def test_research_optimizers_match_reference(name, coefficient):
+    """SOAP and Adan under the wrapper: c = 1 against the hand-written reference, "auto" against c = 0."""
+    base = research_factory(name)
+    params = make_params()
+    optimizer = DelayCorrected(base(params), coefficient=coefficient)
+    run(params, optimizer, range(10))
+    plain = make_params()
+    run(plain, base(plain), range(10))
+    if coefficient == 1.0:
+        expected = reference_trajectory(make_params(), base, 1.0, steps=10)
+        for ours, ref in zip(params, expected):
+            torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+    for ours, uncorrected in zip(params, plain):
+        assert not torch.allclose(ours, uncorrected, atol=1e-4), "the correction had no effect"
+    assert all(0 <= float(optimizer.state[p].get("lookahead", 0)) <= 1 for p in params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,11 +51,19 @@ def assert_same_run(result, weights, ref_losses, ref_weights, rtol=1e-5, atol=1e
         torch.testing.assert_close(weights[name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+NEEDS_RESEARCH = pytest.mark.skipif(
+    importlib.util.find_spec("pytorch_optimizer") is None,
+    reason='SOAP and Adan come from the `research` extra: pip install -e ".[research]"',
+)
+
 CASES = [
     pytest.param(2, "2bw", 2, "adamw", id="P2-M2-2bw-adamw"),
     pytest.param(2, "2bw", 4, "adamw", id="P2-M4-2bw-adamw"),
     pytest.param(2, "1f1b", 4, "adamw", id="P2-M4-1f1b-adamw"),
     pytest.param(2, "2bw", 4, "corrected_muon", id="P2-M4-2bw-corrected_muon"),
+    pytest.param(2, "2bw", 2, "auto_adamw", id="P2-M2-2bw-auto_adamw"),
+    pytest.param(2, "2bw", 2, "corrected_soap", id="P2-M2-2bw-corrected_soap", marks=NEEDS_RESEARCH),
+    pytest.param(2, "2bw", 2, "corrected_adan", id="P2-M2-2bw-corrected_adan", marks=NEEDS_RESEARCH),
 ]
 SLOW_CASES = [
     pytest.param(2, "1f1b", 2, "corrected_muon", id="P2-M2-1f1b-corrected_muon"),

@@ -12,6 +12,18 @@ from torch.optim import Optimizer
 STATE_KEY = "previous_update"
 """Key of the previous uncorrected update in the base optimizer's per-parameter state."""
 
+AUTO = "auto"
+LOOKAHEAD_KEY = "lookahead"
+"""``coefficient="auto"``: the coefficient applied to a parameter's previous update (a 0-d tensor)."""
+ALIGNMENT_KEY = "update_alignment"
+"""``coefficient="auto"``: running average of the parameter's :math:`\langle u_t, u_{t-1} \rangle` (0-d tensor)."""
+SQUARE_KEY = "update_square"
+"""``coefficient="auto"``: running average of the parameter's :math:`\|u_{t-1}\|^2` (0-d tensor)."""
+AUTO_DECAY = 0.9
+"""Decay of the running averages of ``coefficient="auto"`` (about ten steps of memory)."""
+AUTO_MAX = 1.0
+"""Upper bound of the automatic coefficient."""
+
 
 class DelayCorrected(Optimizer):
     r"""Wrap an optimizer so that it compensates a one-step delay of the gradients.
@@ -24,6 +36,10 @@ class DelayCorrected(Optimizer):
         w_{t+1} = w_t - u_t - c\,(u_t - u_{t-1}),
 
     i.e. it extrapolates the change of the update by one step (:math:`c = 1`: :math:`w_t - 2u_t + u_{t-1}`).
+    Summed over the steps this is :math:`w_{t+1} = v_{t+1} - c\,u_t` with :math:`v_{t+1} = v_t - u_t` the
+    uncorrected trajectory: the weights are kept :math:`c` updates ahead of it, so the gradient of the next
+    step, one step stale, is taken about where the uncorrected trajectory will be (a Nesterov-style
+    look-ahead).
     :math:`u_t` is measured as the change of the weights made by the base optimizer's own ``step``, so any
     optimizer works and its state (moments, momentum) is never touched; only what is subtracted from the
     weights changes. The first step, and the first step of a parameter that had no gradient before, is plain.
@@ -52,11 +68,19 @@ class DelayCorrected(Optimizer):
         base: Callable that builds the base optimizer from ``params``; in YAML, a ``class_path`` with
             ``init_args``. ``None`` means :class:`torch.optim.AdamW` with its defaults. Only with parameters,
             not with an optimizer instance.
-        coefficient: :math:`c`. ``0`` is exactly the base optimizer; ``1`` is the paper's setting.
+        coefficient: :math:`c`. ``0`` is exactly the base optimizer; ``1`` is the paper's setting. ``"auto"``
+            chooses :math:`c` per parameter tensor and step as the least-squares prediction of an update from
+            the previous one, :math:`c_t = \mathrm{clip}(A_t / B_t, 0, 1)` with :math:`A_t` and :math:`B_t`
+            running averages (decay 0.9) of the tensor's :math:`\langle u_t, u_{t-1} \rangle` and
+            :math:`\|u_{t-1}\|^2` (per tensor, not per group, so that a pipeline stage computes what one
+            device would), and applies :math:`w_{t+1} = w_t - u_t - c_t u_t + c_{t-1} u_{t-1}`, which
+            keeps the weights exactly :math:`c_t u_t` ahead of the uncorrected trajectory even when :math:`c`
+            changes. It adds three 0-d tensors of state per parameter (``"lookahead"``, ``"update_alignment"``,
+            ``"update_square"``), no parameter-sized buffer.
 
     Raises:
-        ValueError: If ``coefficient`` is negative, if both an optimizer instance and ``base`` are given, or if
-            the optimizer is already a ``DelayCorrected``.
+        ValueError: If ``coefficient`` is negative or a string other than ``"auto"``, if both an optimizer
+            instance and ``base`` are given, or if the optimizer is already a ``DelayCorrected``.
         TypeError: If ``base`` does not return a :class:`~torch.optim.Optimizer`.
 
     .. note::
@@ -68,12 +92,21 @@ class DelayCorrected(Optimizer):
         self,
         params: Optimizer | Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]],
         base: Callable[[Iterable], Optimizer] | None = None,
-        coefficient: float = 1.0,
+        coefficient: float | str = 1.0,
     ) -> None:
-        if not coefficient >= 0:
+        if isinstance(coefficient, str):
+            if coefficient != AUTO:
+                raise ValueError(
+                    f"`coefficient` must be a number >= 0 or {AUTO!r} (a coefficient per parameter tensor from the"
+                    f" alignment of successive updates), got {coefficient!r}."
+                )
+        elif not coefficient >= 0:
             raise ValueError(
-                f"`coefficient` must be >= 0 (0 disables the correction, 1 is the default), got {coefficient}."
+                f"`coefficient` must be >= 0 (0 disables the correction, 1 is the default) or {AUTO!r}, got"
+                f" {coefficient}."
             )
+        else:
+            coefficient = float(coefficient)
         if isinstance(params, Optimizer):
             if base is not None:
                 raise ValueError(
@@ -93,7 +126,7 @@ class DelayCorrected(Optimizer):
             raise ValueError("The optimizer is already a `DelayCorrected`; wrap its base optimizer instead.")
         # `Optimizer.__init__` would create new `param_groups` and `state`; the wrapper uses the base
         # optimizer's, so only the hook bookkeeping is set up, the way unpickling does it.
-        self.__setstate__({"base_optimizer": optimizer, "coefficient": float(coefficient)})
+        self.__setstate__({"base_optimizer": optimizer, "coefficient": coefficient})
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -181,7 +214,13 @@ class DelayCorrected(Optimizer):
 
         for param, update in zip(first, first_updates):
             self.state[param][STATE_KEY] = update.sub_(param)
-        if continuing:
+        if self.coefficient == AUTO:
+            for param in first:
+                self.state[param][LOOKAHEAD_KEY] = torch.zeros((), device=param.device)
+            if continuing:
+                torch._foreach_sub_(updates, continuing)
+                _auto_correct(continuing, updates, previous, [self.state[p] for p in continuing])
+        elif continuing:
             # u_t = w_before - w_after; then w_after + c * (u_{t-1} - u_t), and u_t is copied into the old
             # buffer rather than replacing it, so that the persistent state is never reallocated.
             torch._foreach_sub_(updates, continuing)
@@ -189,6 +228,40 @@ class DelayCorrected(Optimizer):
             torch._foreach_add_(continuing, previous, alpha=self.coefficient)
             torch._foreach_copy_(previous, updates)
         return loss
+
+
+def _auto_correct(
+    params: list[Tensor], updates: list[Tensor], previous: list[Tensor], states: list[dict[str, Any]]
+) -> None:
+    """``coefficient="auto"``: ``w += c_prev * u_prev - c * u`` per tensor, then ``u_prev = u``.
+
+    On entry ``params`` hold the base optimizer's new weights, ``updates`` :math:`u_t` and ``previous``
+    :math:`u_{t-1}`. Each tensor's :math:`c_t` is the least-squares slope of its update on its previous one,
+    :math:`\langle u_t, u_{t-1}\rangle / \|u_{t-1}\|^2`, from running averages, in [0, AUTO_MAX]. Per tensor
+    rather than per group, so that a pipeline stage, which holds whole tensors, computes what one device would.
+    Everything stays on the device (no host synchronization).
+    """
+    # Statistics in float32 at least (float64 for float64 parameters).
+    dtype = torch.promote_types(params[0].dtype, torch.float32)
+    dots = torch.stack([torch.dot(u.reshape(-1), p.reshape(-1)).to(dtype) for u, p in zip(updates, previous)])
+    squares = torch.stack(torch._foreach_norm(previous)).to(dtype).square()
+    zero = dots.new_zeros(())
+    alignment = torch.stack([state.get(ALIGNMENT_KEY, zero).to(dtype) for state in states])
+    norm = torch.stack([state.get(SQUARE_KEY, zero).to(dtype) for state in states])
+    lookahead = [state.get(LOOKAHEAD_KEY, zero) for state in states]
+    alignment = alignment * AUTO_DECAY + dots * (1 - AUTO_DECAY)
+    norm = norm * AUTO_DECAY + squares * (1 - AUTO_DECAY)
+    coefficients = torch.where(norm > 0, alignment / norm.clamp(min=torch.finfo(dtype).tiny), zero)
+    coefficients = coefficients.clamp(0.0, AUTO_MAX).unbind()
+    # The weights are kept c_{t-1} u_{t-1} ahead of the uncorrected trajectory: move them back by that and
+    # forward by c_t u_t. `previous` is scaled in place, then overwritten with u_t.
+    torch._foreach_mul_(previous, lookahead)
+    torch._foreach_add_(params, previous)
+    torch._foreach_copy_(previous, updates)
+    torch._foreach_mul_(updates, coefficients)
+    torch._foreach_sub_(params, updates)
+    for state, c, a, n in zip(states, coefficients, alignment.unbind(), norm.unbind()):
+        state[LOOKAHEAD_KEY], state[ALIGNMENT_KEY], state[SQUARE_KEY] = c, a, n
 
 
 def _empty_like_in_one_block(tensors: list[Tensor]) -> list[Tensor]:
