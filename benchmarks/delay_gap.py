@@ -6,9 +6,11 @@ Reproduces the paper's main table (``shared/method.md`` section 3) with this pac
 * ``delayed``: ``AsyncPipelineStrategy(schedule="2bw")`` on one device, the exact PipeDream-2BW trajectory
   ``w[t+1] = w[t] - u(grad f(w[t-1]), batch t)``;
 * ``delayed_corrected``: the same with the optimizer wrapped in ``DelayCorrected(coefficient=1.0)``;
+* ``delayed_auto`` (``--modes``): the same with ``DelayCorrected(coefficient="auto")``;
 
 for ``AdamW`` and ``Muon`` (``lightning_async_pp.optim.Muon``: Muon on the hidden matrices, AdamW on the
-rest), over several seeds. Beyond the paper's table:
+rest), and with the ``research`` extra ``SOAP`` and ``Adan`` (``pytorch-optimizer``, every parameter), over
+several seeds. Beyond the paper's table:
 
 * depth: the original PipeDream's per-stage delays (stage ``s`` of ``P`` is ``P-1-s`` steps stale), simulated
   on one device with :class:`~lightning_async_pp.pipeline.delay_profile.DelayProfile`, for ``P`` in
@@ -16,8 +18,15 @@ rest), over several seeds. Beyond the paper's table:
 * momentum: the gap at several momentum values (AdamW's ``beta1``, Muon's momentum);
 * one ``(Muon, delayed)`` run on the real 2-process pipeline (``devices=2``), compared point by point with
   its one-device simulation;
-* investigations (opt-in): ``--delayed-lr-grid`` (the gap at every learning rate of the grid) and
-  ``--muon-parts`` (one step of delay on Muon's matrices only, or on its AdamW part only).
+* investigations (opt-in): ``--delayed-lr-grid`` (the gap at every learning rate of the grid),
+  ``--delayed-best-lr`` (the main grid again at the learning rate best for the *delayed* run),
+  ``--corrections`` (a sweep of fixed coefficients c, next to ``auto``) and ``--muon-parts`` (one step of
+  delay on Muon's matrices only, or on its AdamW part only).
+
+``--extended`` is the larger protocol in one command: a 3.7M-parameter GPT (6 blocks of width 224, 4.3x the
+default model), 1,800 steps (2x the 900-step run), seeds 0 1 2, the four optimizers x the four modes, at the
+synchronous-best and the delayed-best learning rate of each optimizer's grid (128 runs at most).
+``--extended --quick`` runs the same code paths on a tiny model for a few steps in this process, in seconds.
 
 Protocol (as in the paper): the demo GPT (byte level, ~0.9M parameters), cosine decay to 10% of the peak
 learning rate after 10% linear warm-up, gradient clipping 1.0, weight decay 0.1. The learning rate of each
@@ -40,6 +49,8 @@ Usage::
 
     nice -n 19 python benchmarks/delay_gap.py --out benchmarks/results/delay_gap.json     # full, 38 runs
     python benchmarks/delay_gap.py --quick --out /tmp/delay_gap_quick.json               # 6 runs
+    nice -n 19 python benchmarks/delay_gap.py --extended --out benchmarks/results/delay_gap_extended.json
+    python benchmarks/delay_gap.py --extended --quick --out /tmp/delay_gap_extended_quick.json   # seconds
 
 A 300-step run takes about 70 s on an idle core (more on a shared machine); see docs/results.md for the
 measured times.

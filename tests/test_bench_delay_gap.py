@@ -106,7 +106,7 @@ def test_table_tells_missing_runs_from_diverged_ones(bench):
         return {"optimizer": optimizer, "mode": mode, "seed": seed, "kind": "main", "lr": 0.01, "final_val_loss": loss}
 
     runs = [run("adamw", "sync", s, 2.0 + s) for s in (0, 1)] + [run("adamw", "delayed", s, 2.5 + s) for s in (0, 1)]
-    runs += [run("muon", m, s, 1.8) for m in bench.MODES for s in (0, 1)]
+    runs += [run("muon", m, s, 1.8) for m in bench.DEFAULT_MODES for s in (0, 1)]
     runs[-1]["final_val_loss"] = None  # muon, delayed_corrected, seed 1: diverged
     table = bench.summarize_grid(runs, [0, 1])
     adamw, muon = table["adamw"], table["muon"]
@@ -116,3 +116,33 @@ def test_table_tells_missing_runs_from_diverged_ones(bench):
     assert bench._pm(adamw["delayed_corrected"]) == "not run" == bench._pm(adamw["gap_corrected"])
     assert muon["delayed_corrected"]["ran"] and bench._pm(muon["delayed_corrected"]) == "diverged"
     assert bench._pm(muon["sync"]) == "1.800 ± 0.000"
+
+
+def test_extended_quick_runs_the_whole_protocol(bench, tmp_path):
+    """`--extended --quick`: every optimizer and mode, both learning rates, the c sweep, in seconds."""
+    if importlib.util.find_spec("pytorch_optimizer") is None:
+        pytest.skip('SOAP and Adan come from the `research` extra: pip install -e ".[research]"')
+    out = tmp_path / "extended.json"
+    report = bench.main(["--extended", "--quick", "--out", str(out)])
+    assert report["config"]["extended"] and report["config"]["quick"]
+    runs = report["runs"]
+    optimizers = ("adamw", "muon", "soap", "adan")
+    main = {(r["optimizer"], r["mode"]): r["final_val_loss"] for r in runs if r["kind"] == "main"}
+    assert set(main) == {(o, m) for o in optimizers for m in bench.MODES}
+    for opt in optimizers:
+        # The paper's correction and the automatic one are different runs, and both differ from the plain delay.
+        assert len({main[(opt, m)] for m in ("delayed", "delayed_corrected", "delayed_auto")}) == 3
+        grid = report["lr_grid"][opt]
+        assert [row["lr"] for row in grid] == [2e-3, 8e-3] and all("delayed" in row for row in grid)
+        best_delayed = min(grid, key=lambda row: row["delayed"])["lr"]
+        assert report["chosen_lr_delayed"][opt] == best_delayed
+        cell, delayed_cell = report["table"][opt], report["table_delayed_lr"][opt]
+        assert cell["delayed_auto"]["ran"] and "recovered_share_auto" in cell
+        assert cell["gap_auto"]["mean"] == pytest.approx(main[(opt, "delayed_auto")] - main[(opt, "sync")])
+        assert delayed_cell["lr"] == best_delayed and delayed_cell["delayed_auto"]["ran"]
+        assert [row["coefficient"] for row in report["corrections"][opt]] == [0.0, 1.0, 2.0, "auto"]
+        assert report["tokens_per_s"][opt] > 0
+    sweep = [r for r in runs if r["kind"] == "correction_sweep"]
+    assert sorted({r["correction"] for r in sweep}) == [2.0] and len(sweep) == len(optimizers)
+    table = out.with_suffix(".md").read_text()
+    assert "delayed + auto" in table and "delayed*" in table and "| soap |" in table and "| adan |" in table
