@@ -21,6 +21,14 @@ Keys (``fqn`` is a name of the LightningModule's ``state_dict``):
   parameter's group, so that both follow the parameter to whichever stage owns it;
 * ``rng.stage{s}``: the random number generator states of stage ``s``.
 
+A parameter that the model reaches under several names (tied weights, e.g. an embedding reused as the
+output head) has one ``previous.`` and one ``optimizer.`` entry, under its first name in the whole model's
+``named_parameters()`` (the name one device uses). A pipeline keeps one copy per stage that uses it; the copies
+stay bit-identical, their optimizer states and previous versions too (each owner applies the same update to
+the same summed gradient, see :mod:`lightning_async_pp.pipeline.ties`), so every copy saves to that entry and
+every copy is restored from it, whichever stages the names land on at the next ``P``. ``state_dict.`` keeps
+every name, as the one-device ``state_dict`` does.
+
 ``meta.pt`` holds, under ``"async_pp"``, the schedule, the stage count and partition it was saved with, the
 weight version and the names and shapes of the whole model, which a resumed run checks before reading.
 
@@ -80,12 +88,34 @@ def is_sharded_checkpoint(path: _PATH) -> bool:
 # --- what a stage saves ------------------------------------------------------------------------------
 
 
+def parameter_aliases(module: nn.Module) -> dict[str, str]:
+    """The other names of shared parameters, each mapped to the parameter's first name.
+
+    Call it on the whole model (before a pipeline stage drops the other stages' layers): on a stage, the
+    copy of a tied parameter is known only by that stage's name for it.
+
+    Args:
+        module: The whole LightningModule.
+
+    Returns:
+        ``{alias: first name}`` for every name but the first of each parameter reached under several names.
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(p), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
 def stage_shard(
     state_dict: dict[str, Tensor],
     optimizer: torch.optim.Optimizer | None,
     module: nn.Module,
     previous: dict[str, Tensor] | None,
     stage: int,
+    aliases: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The flat, name-keyed DCP state of one stage.
 
@@ -95,13 +125,16 @@ def stage_shard(
         module: The LightningModule, to name the optimizer's parameters.
         previous: ``w[t-1]`` of the stage's trainable parameters (2BW), keyed like ``state_dict``.
         stage: The stage index (names the RNG state).
+        aliases: :func:`parameter_aliases` of the whole model: a tied copy's training state is saved under the
+            parameter's first name (every stage holding a copy writes the same, identical entry; DCP keeps one).
     """
+    aliases = aliases or {}
     shard: dict[str, Any] = {_MODEL + name: tensor for name, tensor in state_dict.items()}
     if optimizer is None:
         return shard
     for name, tensor in (previous or {}).items():
-        shard[_PREVIOUS + name] = tensor
-    names = {id(p): n for n, p in module.named_parameters()}
+        shard[_PREVIOUS + aliases.get(name, name)] = tensor
+    names = {id(p): aliases.get(n, n) for n, p in module.named_parameters()}
     for group in optimizer.param_groups:
         hyperparameters = {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
         for param in group["params"]:
@@ -293,6 +326,7 @@ def load_stage(
     previous: dict[str, Tensor] | None,
     stage: int,
     process_group: Any = None,
+    aliases: dict[str, str] | None = None,
 ) -> None:
     """Read this stage's tensors from the checkpoint, in place, and restore its optimizer and RNG.
 
@@ -305,16 +339,26 @@ def load_stage(
         previous: Tensors to receive ``w[t-1]`` (2BW), keyed like the module's parameters; ``None`` to skip.
         stage: This stage's index (selects the RNG state).
         process_group: Group of all ranks taking part (``None``: the default group, or no distribution).
+        aliases: :func:`parameter_aliases` of the whole model: a tied copy reads the training state saved under
+            the parameter's first name, wherever that copy lives now.
     """
     available = index.state_dict_metadata
     targets: dict[str, Any] = {_MODEL + name: tensor for name, tensor in state_dict.items()}
+
+    def saved_name(name: str) -> str:
+        # The shared entry; a checkpoint that has none (saved before tied copies shared one) has the copy's own.
+        canonical = (aliases or {}).get(name, name)
+        if canonical == name or _OPT_GROUP + canonical in available or _PREVIOUS + canonical in available:
+            return canonical
+        return name
+
     if previous is not None and optimizer is not None:
         for name, tensor in previous.items():
-            if _PREVIOUS + name in available:
-                targets[_PREVIOUS + name] = tensor
+            if _PREVIOUS + saved_name(name) in available:
+                targets[_PREVIOUS + saved_name(name)] = tensor
     names: dict[int, str] = {}
     if optimizer is not None:
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = {id(p): saved_name(n) for n, p in module.named_parameters()}
         owned = {names[id(p)] for group in optimizer.param_groups for p in group["params"]}
         for key, md in available.items():
             if key.startswith(_OPT_STATE):

@@ -186,6 +186,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._restored_sharded = False
         self._partition: list[range] | None = None
         self._model_shapes: dict[str, tuple[int, ...]] | None = None
+        self._parameter_aliases: dict[str, str] = {}
         self._runtime: StageRuntime | None = None
         self._relay: StatsRelay | None = None
         self._metrics: MetricsRelay | None = None
@@ -487,6 +488,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._partition = ranges
         # The whole model's names and shapes (cheap on meta too): a checkpoint is checked against them.
         self._model_shapes = {n: tuple(t.shape) for n, t in module.state_dict().items()}
+        # A tied copy's training state is checkpointed under the parameter's first name in the whole model (a
+        # whole module, on one process, names every parameter by its first name already).
+        self._parameter_aliases = sharded.parameter_aliases(module)
         self.stage_layers = own
         # Tied weights are found on the whole model, before other stages' layers are dropped.
         ties = tied.find_ties(layers, ranges)
@@ -879,6 +883,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             shard = sharded.stage_shard(
                 checkpoint["state_dict"], self.optimizers[0] if training_state else None, self.lightning_module,
                 self._previous_weights() if training_state else None, self.stage if self.multi_process else 0,
+                aliases=self._parameter_aliases,
             )
         meta = None
         if self.is_global_zero:
@@ -935,6 +940,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             previous=self._previous_weights() if fitting else None,
             stage=self.stage if self.multi_process else 0,
             process_group=self._groups.get("checkpoint") if self.multi_process else None,
+            aliases=self._parameter_aliases,
         )
         if fitting:
             sharded.align_lr_schedulers(meta.get("lr_schedulers", []), self.optimizers)

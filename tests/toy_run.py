@@ -82,12 +82,14 @@ class ToyLM(LightningModule):
         recompute: Blocks recompute their forward in backward with ``torch.utils.checkpoint``.
         alias: Keep a second reference to the layers (``self.alias``, an ``nn.Sequential`` of the same modules).
         lr: AdamW learning rate.
+        optimizer: ``"adamw"``, or a name ``pipeline_run.make_optimizer`` knows (``"corrected_muon"``, ...).
     """
 
     def __init__(self, n_blocks: int = 3, tie_embedding: bool = False, tie_blocks: bool = False,
-                 recompute: bool = False, alias: bool = False, lr: float = 1e-2) -> None:
+                 recompute: bool = False, alias: bool = False, lr: float = 1e-2, optimizer: str = "adamw") -> None:
         super().__init__()
         self.lr = lr
+        self.optimizer_name = optimizer
         self.layers = nn.ModuleList([Embed(), *[Block(recompute) for _ in range(n_blocks)], Head()])
         if tie_embedding:
             self.layers[-1].out.weight = self.layers[0].table.weight
@@ -138,7 +140,11 @@ class ToyLM(LightningModule):
         return self.pipeline_loss(x, batch)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        from pipeline_run import make_optimizer
+
+        return make_optimizer(self.optimizer_name)(self.parameters())
 
 
 class Recorder(Callback):
@@ -147,6 +153,7 @@ class Recorder(Callback):
     def __init__(self, tied_names: list[list[str]]) -> None:
         self.names = {n for group in tied_names for n in group}
         self.losses: list[float] = []
+        self.steps: list[int] = []
         self.tied: list[tuple[int, dict[str, Tensor]]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -166,11 +173,12 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if "train/loss" in trainer.callback_metrics:
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
+            self.steps.append(trainer.global_step - 1)
 
 
 def model_kwargs(args) -> dict:
     return dict(n_blocks=args.blocks, tie_embedding=args.tie_embedding, tie_blocks=args.tie_blocks,
-                recompute=args.recompute, alias=args.alias)
+                recompute=args.recompute, alias=args.alias, optimizer=args.optimizer)
 
 
 def strategy_kwargs(args) -> dict:
@@ -225,6 +233,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--split-points", default=None)
     parser.add_argument("--save-checkpoint", action="store_true")
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--checkpoint-at", type=int, default=None,
+                        help="ModelCheckpoint saves DIR/at-{step}.ckpt after this many steps (and the run goes on)")
+    parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -237,22 +249,28 @@ def main(argv=None) -> None:
         pipeline_parallel_size=args.pipeline_size, timeout=timedelta(seconds=120), **strategy_kwargs(args)
     )
     recorder = Recorder([])
+    callbacks: list[Callback] = [recorder]
+    if args.checkpoint_at:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=args.out, filename="at-{step}", auto_insert_metric_name=False,
+                                         every_n_train_steps=args.checkpoint_at, save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=[recorder], gradient_clip_val=args.clip,
+        enable_checkpointing=bool(args.checkpoint_at), enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, gradient_clip_val=args.clip,
     )
     with trainer.init_module(empty_init=args.meta):
         model = ToyLM(**model_kwargs(args))
     recorder.names = {n for group in model.tied_names() for n in group}  # before the stages drop layers
     batches = random_batches(args.total_steps or args.steps, batch_size=6, block=8)
-    trainer.fit(model, train_dataloaders=loader(batches))
+    trainer.fit(model, train_dataloaders=loader(batches), ckpt_path=args.ckpt_path)
 
     out = Path(args.out)
     rank = save_stage(trainer, model, out, args.save_checkpoint)
     torch.save(recorder.tied, out / f"tied_rank{rank}.pt")
     if rank == 0:
-        (out / "result.json").write_text(json.dumps({"losses": recorder.losses}))
+        (out / "result.json").write_text(json.dumps({"losses": recorder.losses, "steps": recorder.steps}))
 
 
 if __name__ == "__main__":
