@@ -70,6 +70,9 @@ log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 META_FILE = "meta.pt"
 CHECKPOINT_KEY = "async_pp"
 FORMAT_VERSION = 1
+TRANSFORMERS_KEY = "transformers"
+"""Where :class:`~lightning_async_pp.models.CausalLM` records its ``transformers`` configuration and names in a
+checkpoint; :func:`consolidate` then also writes a ``save_pretrained`` folder."""
 SHARD_KEY = "async_pp_shard"
 """Marks a payload for :class:`ShardedCheckpointIO` (anything else is written as one ``torch.save`` file)."""
 
@@ -673,12 +676,19 @@ def read_tensors(checkpoint_dir: _PATH, prefix: str = "") -> dict[str, Tensor]:
     return targets
 
 
-def consolidate(checkpoint_dir: _PATH, out: _PATH) -> dict[str, Any]:
+def consolidate(checkpoint_dir: _PATH, out: _PATH, pretrained_dir: _PATH | None = None) -> dict[str, Any]:
     """Write the sharded checkpoint ``checkpoint_dir`` as one Lightning checkpoint file ``out``.
 
     The file holds the whole model's ``state_dict`` and Lightning's metadata (epoch, step, hyperparameters,
     loops, callbacks), without optimizer or scheduler state, and loads with ``torch.load(weights_only=True)`` on
     one device: ``Model.load_from_checkpoint(out)``, ``trainer.validate(model, ckpt_path=out)``.
+
+    Args:
+        checkpoint_dir: A checkpoint directory written by :class:`ShardedCheckpointIO`.
+        out: The single-file checkpoint to write.
+        pretrained_dir: For a checkpoint of :class:`~lightning_async_pp.models.CausalLM`, also write the model
+            as a ``transformers`` ``save_pretrained`` folder there
+            (:func:`lightning_async_pp.models.hf.save_pretrained`).
 
     Returns:
         The checkpoint written.
@@ -696,7 +706,17 @@ def consolidate(checkpoint_dir: _PATH, out: _PATH) -> dict[str, Any]:
     temporary = out.with_name(f".{out.name}.partial")
     torch.save(meta, temporary)
     os.replace(temporary, out)
+    if pretrained_dir is not None:
+        from lightning_async_pp.models.hf import save_pretrained
+
+        save_pretrained(meta, pretrained_dir)
     return meta
+
+
+def default_pretrained_dir(out: _PATH) -> Path:
+    """Where the consolidation command writes a ``save_pretrained`` folder by default: ``model.ckpt`` -> ``model-hf``."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}-hf")
 
 
 def consolidate_main(argv: list[str]) -> None:
@@ -706,14 +726,29 @@ def consolidate_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_async_pp consolidate",
         description="Write a sharded async_pp checkpoint directory as one Lightning checkpoint file (weights and "
-        "metadata, no optimizer state), loadable with torch.load(weights_only=True) on one device.",
+        "metadata, no optimizer state), loadable with torch.load(weights_only=True) on one device. A checkpoint of "
+        "lightning_async_pp.models.CausalLM is also written as a transformers save_pretrained folder.",
     )
     parser.add_argument("checkpoint_dir", help="checkpoint directory written by AsyncPipelineStrategy")
     parser.add_argument("out", help="the single-file checkpoint to write")
+    parser.add_argument(
+        "--pretrained-dir", default=None,
+        help="for a CausalLM checkpoint: the save_pretrained folder to write (default: OUT without its suffix, "
+        "plus '-hf': model.ckpt -> model-hf)",
+    )
     args = parser.parse_args(argv)
-    meta = consolidate(args.checkpoint_dir, args.out)
+    meta = ShardedCheckpointIO().load_checkpoint(args.checkpoint_dir)
+    pretrained_dir = None
+    if TRANSFORMERS_KEY in meta:
+        pretrained_dir = args.pretrained_dir or default_pretrained_dir(args.out)
+    elif args.pretrained_dir is not None:
+        parser.error(f"{args.checkpoint_dir} was not saved by lightning_async_pp.models.CausalLM: --pretrained-dir "
+                     "only applies to Hugging Face models.")
+    meta = consolidate(args.checkpoint_dir, args.out, pretrained_dir)
     count = sum(t.numel() for t in meta["state_dict"].values())
     print(f"Wrote {args.out}: {len(meta['state_dict'])} tensors, {count:,} values, global step {meta.get('global_step')}")
+    if pretrained_dir is not None:
+        print(f"Wrote {pretrained_dir}: transformers save_pretrained folder (AutoModelForCausalLM.from_pretrained)")
 
 
 __all__ = [

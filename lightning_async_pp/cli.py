@@ -5,7 +5,8 @@
     python -m lightning_async_pp consolidate lightning_logs/version_0/checkpoints/last.ckpt model.ckpt
 
 Both forms behave alike: a ``class_path`` may name a module in the current folder, and the exit status is 0
-after success and non-zero after an error. ``consolidate`` writes a sharded checkpoint as one file.
+after success and non-zero after an error. ``consolidate`` writes a sharded checkpoint as one file (and a
+Hugging Face model, trained through ``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder).
 """
 
 from __future__ import annotations

@@ -112,6 +112,7 @@ def main(argv=None) -> None:
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--padding", action="store_true")
     parser.add_argument("--val-every", type=int, default=0, help="validate after this many steps (0: never)")
+    parser.add_argument("--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -136,6 +137,8 @@ def main(argv=None) -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.save_checkpoint:
+        trainer.save_checkpoint(out / "final.ckpt")
     rank = trainer.global_rank
     torch.save({k: v.cpu() for k, v in model.hf_state_dict().items()}, out / f"weights_rank{rank}.pt")
     (out / f"read_rank{rank}.json").write_text(json.dumps({"read": READ, "owned": sorted(model.hf_state_dict())}))

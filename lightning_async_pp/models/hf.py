@@ -30,6 +30,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
+from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
 from lightning_async_pp.demos.gpt import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.meta_init import MetaLayers
 from lightning_async_pp.pipeline.contract import run_layers
@@ -386,6 +387,14 @@ class CausalLM(LightningModule):
             if not param.is_meta
         }
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the ``transformers`` configuration and names, so that a consolidated checkpoint can be written
+        as a ``save_pretrained`` folder (``python -m lightning_async_pp consolidate``, :func:`save_pretrained`)."""
+        checkpoint[TRANSFORMERS_KEY] = {
+            "config": self.hf_config.to_json_string(),  # a string: the checkpoint loads with weights_only=True
+            "names": {name: list(names) for name, names in self._hf_names.items()},
+        }
+
     # --- materialising ---------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
@@ -513,10 +522,64 @@ class CausalLM(LightningModule):
         return with_lr_schedule(optimizer, self)
 
 
+def save_pretrained(checkpoint: Mapping[str, Any], folder: str | Path) -> Any:
+    """Write a whole :class:`CausalLM` checkpoint as a ``transformers`` ``save_pretrained`` folder.
+
+    The folder holds ``config.json`` and the weights in safetensors files, under the ``transformers`` names;
+    a tied head is stored once, as ``transformers`` stores it. ``AutoModelForCausalLM.from_pretrained(folder)``
+    loads it on one device, and ``CausalLM(pretrained=folder)`` continues training from it.
+
+    Args:
+        checkpoint: A checkpoint with the whole model's ``state_dict`` (a consolidated one, see
+            :func:`lightning_async_pp.checkpoint.consolidate`) written while training a :class:`CausalLM`.
+        folder: The folder to write (created if missing).
+
+    Returns:
+        The ``transformers`` model written (its tensors are the checkpoint's).
+
+    Raises:
+        ValueError: If the checkpoint was not written by a :class:`CausalLM`, or lacks some of its weights.
+    """
+    info = checkpoint.get(TRANSFORMERS_KEY)
+    if info is None:
+        raise ValueError(
+            "This checkpoint was not saved by lightning_async_pp.models.CausalLM (it has no "
+            f"{TRANSFORMERS_KEY!r} entry), so it has no transformers configuration to write a save_pretrained folder."
+        )
+    settings = json.loads(info["config"])
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    weights: dict[str, Tensor] = {}
+    for name, tensor in checkpoint["state_dict"].items():
+        for hf_name in info["names"].get(name, ()):
+            held = weights.setdefault(hf_name, tensor)
+            if held is not tensor and not torch.equal(held, tensor):
+                raise ValueError(
+                    f"The checkpoint holds two different values for the tied weight {hf_name}; its copies "
+                    "were not kept equal. It cannot be written as one transformers model."
+                )
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise ValueError(
+            f"The checkpoint has no weights for {missing[:6]}{' ...' if len(missing) > 6 else ''}: it does not "
+            "hold the whole model. Consolidate a checkpoint directory written by the whole pipeline."
+        )
+    model.load_state_dict({k: v for k, v in weights.items() if k in expected}, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # one tensor again, which save_pretrained stores once
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        model.config.dtype = dtypes.pop()  # from_pretrained's "auto" dtype reads it
+    model.save_pretrained(str(folder))
+    return model
+
+
 def _post_order(module: nn.Module):
     for child in module.children():
         yield from _post_order(child)
     yield module
 
 
-__all__ = ["CausalLM", "SUPPORTED", "SafetensorsFolder", "Embedding", "DecoderLayer", "Head"]
+__all__ = ["CausalLM", "SUPPORTED", "SafetensorsFolder", "Embedding", "DecoderLayer", "Head", "save_pretrained"]
