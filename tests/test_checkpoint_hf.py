@@ -3,11 +3,13 @@
 ``python -m lightning_async_pp consolidate`` writes the single-file Lightning checkpoint and, for a
 :class:`~lightning_async_pp.models.CausalLM`, a folder that ``AutoModelForCausalLM.from_pretrained`` loads on
 one device. Its logits and loss are compared with those of the adapter's own single-device model holding the
-consolidated checkpoint's weights, and its tensors with what the stages held at the end of training.
+consolidated checkpoint's weights and with the pipeline's own validation loss, and its tensors with what the
+stages held at the end of training.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +39,7 @@ def test_consolidated_hf_model_loads_with_from_pretrained(tmp_path, family):
     run = tmp_path / "run"
     code, output = run_script(
         [sys.executable, str(RUNNER), "--family", family, "--devices", "2", "--schedule", "2bw", "--optimizer",
-         "corrected_muon", "--steps", "4", "--save-checkpoint", "--out", str(run)], TIMEOUT,
+         "corrected_muon", "--steps", "4", "--val-every", "4", "--save-checkpoint", "--out", str(run)], TIMEOUT,
     )
     assert code == 0, output[-6000:]
     done = consolidate(run / "final.ckpt", tmp_path / "model.ckpt")
@@ -67,13 +69,19 @@ def test_consolidated_hf_model_loads_with_from_pretrained(tmp_path, family):
     ours.configure_model()
     ours.load_state_dict(torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"])
     ours.eval()
-    for batch in token_batches(2, batch_size=4, seq=12, seed=2):
+    losses = []
+    for batch in token_batches(2, batch_size=4, seq=12, seed=2):  # hf_run.py's validation batches
         with torch.no_grad():
             logits = ours(batch)
             loss = ours.pipeline_loss(logits, batch)
             theirs = loaded(input_ids=batch["input_ids"], labels=batch["input_ids"])
         torch.testing.assert_close(theirs.logits, logits, rtol=0, atol=1e-5)
         assert abs(float(theirs.loss) - float(loss)) <= 1e-5, (float(theirs.loss), float(loss))
+        losses.append(float(theirs.loss))
+    # The pipeline's own validation after the last step, on the weights the checkpoint holds.
+    pipeline_loss = json.loads((run / "result.json").read_text())["val_losses"][-1]
+    print(f"{family}: pipeline val/loss {pipeline_loss:.8f}, from_pretrained {sum(losses) / 2:.8f}")
+    assert abs(sum(losses) / len(losses) - pipeline_loss) <= 1e-5
 
 
 def test_save_pretrained_refuses_a_checkpoint_of_another_model(tmp_path):
