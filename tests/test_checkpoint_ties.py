@@ -93,3 +93,39 @@ def test_tied_model_resumes_at_another_pipeline_shape(tmp_path, uninterrupted, s
                                rtol=1e-6, atol=1e-6)
     for name, value in straight_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_tied_copy_reads_the_state_saved_under_the_first_name(tmp_path):
+    """Saved on one device (one tensor, named ``layers.0.table.weight``), read by a stage that holds only the head:
+    the head's copy gets the optimizer state and ``w[t-1]`` of the embedding's name (in one process, no launch)."""
+    from lightning_async_pp import checkpoint as sharded
+    from lightning_async_pp.pipeline.placement import keep_only_layers
+    from toy_run import ToyLM
+
+    whole = ToyLM(tie_embedding=True)
+    aliases = sharded.parameter_aliases(whole)
+    assert aliases == {"layers.4.out.weight": "layers.0.table.weight"}
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    for p in whole.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer.step()
+    previous = {n: p.detach() - 1 for n, p in whole.named_parameters()}
+    shard = sharded.stage_shard(whole.state_dict(), optimizer, whole, previous, 0, aliases)
+    meta = {sharded.CHECKPOINT_KEY: {"schedule": "2bw", "has_training_state": True}}
+    path = tmp_path / "step.ckpt"
+    sharded.ShardedCheckpointIO().save_checkpoint({sharded.SHARD_KEY: True, "shard": shard, "meta": meta}, path)
+
+    stage = ToyLM(tie_embedding=True)
+    keep_only_layers(stage, list(stage.pipeline_layers()), range(3, 5), [0, 0, 0, 1, 1])
+    assert "layers.0.table.weight" not in dict(stage.named_parameters())
+    stage_optimizer = torch.optim.AdamW(stage.parameters(), lr=0.1)
+    stage_previous = {n: torch.zeros_like(p) for n, p in stage.named_parameters()}
+    sharded.load_stage(path, sharded.read_index(path), state_dict=stage.state_dict(), module=stage,
+                       optimizer=stage_optimizer, previous=stage_previous, stage=1, aliases=aliases)
+    table, head = whole.get_parameter("layers.0.table.weight"), stage.get_parameter("layers.4.out.weight")
+    assert torch.equal(head, table)
+    assert torch.equal(stage_previous["layers.4.out.weight"], previous["layers.0.table.weight"])
+    assert sorted(stage_optimizer.state[head]) == sorted(optimizer.state[table])
+    for key, value in optimizer.state[table].items():
+        assert torch.equal(stage_optimizer.state[head][key], value), key
