@@ -522,7 +522,7 @@ class CausalLM(LightningModule):
         return with_lr_schedule(optimizer, self)
 
 
-def save_pretrained(checkpoint: Mapping[str, Any], folder: str | Path) -> Any:
+def save_pretrained(checkpoint: Mapping[str, Any], folder: str | Path) -> Path:
     """Write a whole :class:`CausalLM` checkpoint as a ``transformers`` ``save_pretrained`` folder.
 
     The folder holds ``config.json`` and the weights in safetensors files, under the ``transformers`` names;
@@ -535,7 +535,7 @@ def save_pretrained(checkpoint: Mapping[str, Any], folder: str | Path) -> Any:
         folder: The folder to write (created if missing).
 
     Returns:
-        The ``transformers`` model written (its tensors are the checkpoint's).
+        The folder.
 
     Raises:
         ValueError: If the checkpoint was not written by a :class:`CausalLM`, or lacks some of its weights.
@@ -572,8 +572,10 @@ def save_pretrained(checkpoint: Mapping[str, Any], folder: str | Path) -> Any:
     dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         model.config.dtype = dtypes.pop()  # from_pretrained's "auto" dtype reads it
+    # Built on the meta device with the checkpoint's tensors assigned: no second copy of the weights in memory.
+    # Its non-persistent buffers (rotary tables) stay on meta; from_pretrained computes them again.
     model.save_pretrained(str(folder))
-    return model
+    return Path(folder)
 
 
 def _post_order(module: nn.Module):
