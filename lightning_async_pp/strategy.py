@@ -196,6 +196,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._no_loss: Tensor | None = None
         self._pending_stage_stats: dict[int, dict[int, StepStats]] = {}
         self._ties: tied.TiedGradients | None = None
+        self._tie_groups: tuple[list[tied.Tie], list[Any]] | None = None
         self.stage_layers: range | None = None
         self._partition: list[range] | None = None
         self._data_seed = 0
@@ -388,6 +389,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             report_routing(self, self.optimizers)
         if self.multi_process and trainer.state.fn == TrainerFn.FITTING:
+            self._check_tied_updates()
             self._runtime = self._build_runtime(trainer)
             self._install_sigterm_check(trainer)
             self._steps_run = 0
@@ -507,6 +509,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         stage_params = dict(nn.Sequential(*(layers[i] for i in own)).named_parameters())
         tied.broadcast_ties(ties, self.stage, stage_params, groups, sources)
         self._ties = tied.TiedGradients(ties, self.stage, groups) if any(t.requires_grad for t in ties) else None
+        self._tie_groups = (ties, groups) if ties else None
         checkpoint_layers(layers, [i for i in recomputed if i in own])
         self._localize_metrics(module)
         names = ", ".join(f"{i}:{type(layers[i]).__name__}" for i in own)
@@ -525,6 +528,18 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 "buffer outside the layers must be created by the LightningModule's own code (then it is not put "
                 "on the meta device), not by a submodule."
             )
+
+    def _check_tied_updates(self) -> None:
+        if self._tie_groups is None or len(self.optimizers) != 1:
+            return  # no ties; or a wrong optimizer count, which the runtime refuses with its own message
+        ties, groups = self._tie_groups
+        params = dict(nn.Sequential(*self._stage_modules).named_parameters())
+        module_names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        try:
+            tied.check_tied_updates(ties, self.stage, params, self.optimizers[0].param_groups, groups,
+                                    display=lambda name: module_names.get(id(params[name]), name))
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from None
 
     def _localize_metrics(self, module: LightningModule) -> None:
         """Metrics are updated on the last stages only: they sync across the replicas of the last stage,

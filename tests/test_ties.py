@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -135,3 +138,20 @@ def test_demo_gpt_with_tied_weights_on_two_stages_equals_one_device(tmp_path):
     ref_losses = fit(model, random_batches(6), strategy=AsyncPipelineStrategy(schedule="2bw", num_microbatches=2))
     assert_same_run(result, weights, ref_losses, {k: v.detach() for k, v in model.state_dict().items()})
     assert torch.equal(weights["layers.0.tok.weight"], weights["layers.5.lm_head.weight"])
+
+
+def test_tied_copies_in_differently_named_groups_are_refused(tmp_path):
+    """Grouping by name ("no decay for the embedding") puts the head's copy in another group on its stage:
+    the copies would drift apart, so the run stops before training and says what to change."""
+    from helpers import run_script
+
+    args = ("--schedule", "2bw", "--microbatches", "2", "--tie-embedding", "--optimizer", "adamw_by_name")
+    command = [sys.executable, str(Path(__file__).parent / "toy_run.py"), "--devices", "2", "--out", str(tmp_path),
+               "--split-points", "3", "--steps", "2", *args]
+    code, output = run_script(command, 240)
+    assert code != 0
+    assert "layers.0.table.weight = layers.4.out.weight" in output, output[-3000:]
+    assert "same group in `configure_optimizers`" in output
+    # On one device the same model and optimizer train: it is one tensor in the no-decay group.
+    losses, _, _ = reference_toy(*args, steps=2)
+    assert len(losses) == 2

@@ -82,7 +82,7 @@ class ToyLM(LightningModule):
         recompute: Blocks recompute their forward in backward with ``torch.utils.checkpoint``.
         alias: Keep a second reference to the layers (``self.alias``, an ``nn.Sequential`` of the same modules).
         lr: AdamW learning rate.
-        optimizer: ``"adamw"``, or a name ``pipeline_run.make_optimizer`` knows (``"corrected_muon"``, ...).
+        optimizer: ``"adamw"``, ``"adamw_by_name"`` (no weight decay for parameters named ``*table*``), or a name ``pipeline_run.make_optimizer`` knows (``"corrected_muon"``, ...).
     """
 
     def __init__(self, n_blocks: int = 3, tie_embedding: bool = False, tie_blocks: bool = False,
@@ -142,6 +142,13 @@ class ToyLM(LightningModule):
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        if self.optimizer_name == "adamw_by_name":
+            # The common "no decay for embeddings" grouping by name: a stage sees only its own layers' names.
+            named = list(self.named_parameters())
+            return torch.optim.AdamW([
+                {"params": [p for n, p in named if "table" in n], "weight_decay": 0.0},
+                {"params": [p for n, p in named if "table" not in n], "weight_decay": 0.1},
+            ], lr=self.lr)
         from pipeline_run import make_optimizer
 
         return make_optimizer(self.optimizer_name)(self.parameters())

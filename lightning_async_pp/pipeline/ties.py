@@ -12,6 +12,12 @@ pipeline its layers live in different processes, so each owning stage keeps a co
 - gradient clipping counts a tied parameter once: with clipping, the tied gradients travel in the
   pipeline's norm all-reduce, and every stage adds the squared norm of each summed tied gradient once.
 
+The last point needs every copy to be in an optimizer parameter group with the same settings. On one device
+the parameter is one tensor, reached first under one name, so it lands in one group; in a pipeline each stage
+builds its groups from its own layers' names (a rule such as "no weight decay for embeddings" then puts the
+head's copy elsewhere). :func:`check_tied_updates` compares the settings once, before training, and refuses
+a difference.
+
 The module knows nothing of Lightning: the strategy finds the ties before it drops other stages' layers
 and creates the groups; :class:`~lightning_async_pp.pipeline.runtime.StageRuntime` calls
 :meth:`TiedGradients.start` in its update.
@@ -125,6 +131,48 @@ def broadcast_ties(ties: Sequence[Tie], stage: int, params: dict[str, Tensor], g
     for tie, group, source in zip(ties, groups, sources):
         if stage in tie.names:
             dist.broadcast(params[tie.names[stage]].data, src=source, group=group)
+
+
+def _group_settings(param: Tensor, param_groups: Sequence[dict[str, Any]]) -> str:
+    for group in param_groups:
+        if any(p is param for p in group["params"]):
+            return repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names")))
+    return "not in the optimizer"
+
+
+def check_tied_updates(ties: Sequence[Tie], stage: int, params: dict[str, Tensor],
+                       param_groups: Sequence[dict[str, Any]], groups: Sequence[Any],
+                       display: Callable[[str], str] = str) -> None:
+    """Refuse a tie whose copies sit in optimizer parameter groups with different settings (a collective of
+    each tie's owners; call it once, after the optimizer is built).
+
+    Args:
+        ties: All ties, in the order of :func:`find_ties`.
+        stage: This process's stage.
+        params: This stage's parameters, by runtime name.
+        param_groups: This stage's optimizer's ``param_groups``.
+        groups: Per tie, this replica's group of the owners (``None`` where this stage does not own it).
+        display: The name to show for a runtime name (the model's own name).
+
+    Raises:
+        ValueError: If two copies of a trained tied parameter would be updated with different settings.
+    """
+    for tie, group in zip(ties, groups):
+        if not tie.requires_grad or stage not in tie.names:
+            continue
+        name = tie.names[stage]
+        mine = (stage, display(name), _group_settings(params[name], param_groups))
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        if len({settings for _, _, settings in gathered}) > 1:
+            held = "; ".join(f"stage {s} ({n}): {settings}" for s, n, settings in sorted(gathered))
+            raise ValueError(
+                f"The tied parameter {' = '.join(n for _, n, _ in sorted(gathered))} would be updated with different "
+                f"optimizer settings on the stages that hold it, and its copies would drift apart: {held}. On one "
+                "device it is one tensor in one parameter group. Put every name of a tied parameter in the same "
+                "group in `configure_optimizers` (a stage sees only its own layers' names: select by the layer "
+                "type or by the parameter object, not by the name alone), or untie it."
+            )
 
 
 class TiedGradients:
