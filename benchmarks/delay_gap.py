@@ -283,10 +283,18 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
         def __init__(self) -> None:
             self.train_loss: list[float] = []
             self.val_curve: list[list[float]] = []
+            self.auto_curve: list[list[float]] = []  # [step, min, median, max] of the automatic coefficients
+
+        def on_train_batch_end_auto(self, trainer) -> None:
+            values = sorted(auto_coefficients(trainer.optimizers[0], pl_module_names).values())
+            if values and trainer.global_step % spec.val_every == 0:
+                self.auto_curve.append([trainer.global_step, values[0], statistics.median(values), values[-1]])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             value = trainer.callback_metrics.get("train/loss")
             self.train_loss.append(float(value) if value is not None else float("nan"))
+            if spec.mode == "delayed_auto":
+                self.on_train_batch_end_auto(trainer)
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if trainer.sanity_checking:
@@ -302,6 +310,7 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
     seed_everything(spec.seed, workers=True, verbose=False)
     data = TextDataModule(path=spec.corpus, block_size=spec.block_size, batch_size=spec.batch_size, seed=spec.seed)
     model = build_model(spec)
+    pl_module_names = {id(p): name for name, p in model.named_parameters()}
     schedule = "2bw" if spec.mode in ("delayed", *CORRECTED_MODES) else "1f1b"
     strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=spec.microbatches)
     recorder = Recorder()
@@ -335,7 +344,18 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens": spec.steps * spec.batch_size * spec.block_size,
         "tokens_per_s": round(spec.steps * spec.batch_size * spec.block_size / wall, 1),
+        # delayed_auto: the coefficient of every parameter tensor after the last step, and their spread over time.
+        "auto_coefficients": {k: round(v, 4) for k, v in auto_coefficients(trainer.optimizers[0], pl_module_names).items()}
+        if spec.mode == "delayed_auto" else None,
+        "auto_coefficient_curve": [[s, *(round(v, 4) for v in rest)] for s, *rest in recorder.auto_curve]
+        if spec.mode == "delayed_auto" else None,
     }
+
+
+def auto_coefficients(optimizer, names: dict[int, str]) -> dict[str, float]:
+    """The ``"lookahead"`` coefficient ``DelayCorrected(coefficient="auto")`` keeps for each parameter, by name."""
+    return {names.get(id(p), str(i)): float(state["lookahead"])
+            for i, (p, state) in enumerate(optimizer.state.items()) if "lookahead" in state}
 
 
 def _round(value: float, digits: int = 7) -> float | None:
@@ -512,6 +532,17 @@ def summarize_corrections(runs: list[dict[str, Any]], seeds: list[int]) -> dict[
     return out
 
 
+def summarize_auto_coefficients(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per optimizer: the spread of the final automatic coefficients over tensors (main grid, all seeds)."""
+    out: dict[str, Any] = {}
+    for opt in OPTIMIZERS:
+        values = sorted(v for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r.get("auto_coefficients")
+                        for v in r["auto_coefficients"].values())
+        if values:
+            out[opt] = {"min": values[0], "median": statistics.median(values), "max": values[-1], "tensors": len(values)}
+    return out
+
+
 def summarize_lr_grid(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per optimizer and grid learning rate: the sync loss, and the delayed loss and gap where they were run."""
     out: dict[str, Any] = {}
@@ -665,6 +696,10 @@ def markdown(report: dict[str, Any]) -> str:
         "per-seed paired differences to sync).",
         report["table"],
     )
+    if report.get("auto_coefficients"):
+        lines += ["", "Automatic coefficients after the last step, over parameter tensors (min / median / max): " + "; ".join(
+            f"{opt} {row['min']:.2f} / {row['median']:.2f} / {row['max']:.2f}"
+            for opt, row in report["auto_coefficients"].items()) + "."]
     if report.get("table_delayed_lr"):
         lines += [""] + grid_table(
             "The same at the learning rate that is best for the *delayed* run (first seed, grid):",
@@ -1100,6 +1135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "table": summarize_grid(runs, main_seeds),
         "table_delayed_lr": summarize_grid(delayed_lr_runs, main_seeds, kind="delayed_lr") if delayed_lr_runs else {},
         "corrections": summarize_corrections(runs, main_seeds) if args.corrections else {},
+        "auto_coefficients": summarize_auto_coefficients(runs),
         "depth": summarize_depth(runs, args.depths, args.depth_seeds) if args.depths else {},
         "momentum": summarize_momentum(runs, seed0) if args.momenta else {},
         "pipeline_check": pipeline_check,

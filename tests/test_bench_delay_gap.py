@@ -146,3 +146,16 @@ def test_extended_quick_runs_the_whole_protocol(bench, tmp_path):
     assert sorted({r["correction"] for r in sweep}) == [2.0] and len(sweep) == len(optimizers)
     table = out.with_suffix(".md").read_text()
     assert "delayed + auto" in table and "delayed*" in table and "| soap |" in table and "| adan |" in table
+
+
+def test_auto_runs_record_their_coefficients(bench, tmp_path):
+    report = bench.main([*TINY, "--optimizers", "adamw", "--modes", "delayed", "delayed_auto", "--lr-adamw", "3e-3",
+                         "--depths", "--momenta", "--out", str(tmp_path / "auto.json")])
+    auto = next(r for r in report["runs"] if r["mode"] == "delayed_auto")
+    plain = next(r for r in report["runs"] if r["mode"] == "delayed")
+    assert plain["auto_coefficients"] is None
+    names = set(auto["auto_coefficients"])
+    assert "layers.0.tok.weight" in names and all(0 <= c <= 1 for c in auto["auto_coefficients"].values())
+    assert [row[0] for row in auto["auto_coefficient_curve"]] == [2, 4]
+    summary = report["auto_coefficients"]["adamw"]
+    assert summary["min"] <= summary["median"] <= summary["max"] and summary["tensors"] == len(names)
