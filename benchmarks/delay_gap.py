@@ -23,9 +23,9 @@ several seeds. Beyond the paper's table:
   ``--corrections`` (a sweep of fixed coefficients c, next to ``auto``) and ``--muon-parts`` (one step of
   delay on Muon's matrices only, or on its AdamW part only).
 
-``--extended`` is the larger protocol in one command: a 3.7M-parameter GPT (6 blocks of width 224, 4.3x the
+``--extended`` is the larger protocol in one command: a 3.76M-parameter GPT (6 blocks of width 224, 4.3x the
 default model), 1,800 steps (2x the 900-step run), seeds 0 1 2, the four optimizers x the four modes, at the
-synchronous-best and the delayed-best learning rate of each optimizer's grid (128 runs at most).
+synchronous-best and the delayed-best learning rate of each optimizer's grid (72 to 112 distinct runs).
 ``--extended --quick`` runs the same code paths on a tiny model for a few steps in this process, in seconds.
 
 Protocol (as in the paper): the demo GPT (byte level, ~0.9M parameters), cosine decay to 10% of the peak
@@ -189,7 +189,9 @@ def make_optimizer_factory(spec: RunSpec):
             try:
                 import pytorch_optimizer
             except ImportError as error:
-                raise ImportError(f"{spec.optimizer} needs the `research` extra: pip install -e '.[research]'") from error
+                raise ImportError(
+                    f"{spec.optimizer} needs the `research` extra: pip install -e '.[research]'"
+                ) from error
             params = [p for _, p in named]
             if spec.optimizer == "soap":  # every parameter, embeddings and head included, as in the paper
                 base = pytorch_optimizer.SOAP(
@@ -345,8 +347,9 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
         "train_tokens": spec.steps * spec.batch_size * spec.block_size,
         "tokens_per_s": round(spec.steps * spec.batch_size * spec.block_size / wall, 1),
         # delayed_auto: the coefficient of every parameter tensor after the last step, and their spread over time.
-        "auto_coefficients": {k: round(v, 4) for k, v in auto_coefficients(trainer.optimizers[0], pl_module_names).items()}
-        if spec.mode == "delayed_auto" else None,
+        "auto_coefficients": {
+            k: round(v, 4) for k, v in auto_coefficients(trainer.optimizers[0], pl_module_names).items()
+        } if spec.mode == "delayed_auto" else None,
         "auto_coefficient_curve": [[s, *(round(v, 4) for v in rest)] for s, *rest in recorder.auto_curve]
         if spec.mode == "delayed_auto" else None,
     }
@@ -539,7 +542,9 @@ def summarize_auto_coefficients(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = sorted(v for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r.get("auto_coefficients")
                         for v in r["auto_coefficients"].values())
         if values:
-            out[opt] = {"min": values[0], "median": statistics.median(values), "max": values[-1], "tensors": len(values)}
+            out[opt] = {
+                "min": values[0], "median": statistics.median(values), "max": values[-1], "tensors": len(values)
+            }
     return out
 
 
@@ -697,9 +702,9 @@ def markdown(report: dict[str, Any]) -> str:
         report["table"],
     )
     if report.get("auto_coefficients"):
-        lines += ["", "Automatic coefficients after the last step, over parameter tensors (min / median / max): " + "; ".join(
-            f"{opt} {row['min']:.2f} / {row['median']:.2f} / {row['max']:.2f}"
-            for opt, row in report["auto_coefficients"].items()) + "."]
+        spread = "; ".join(f"{opt} {row['min']:.2f} / {row['median']:.2f} / {row['max']:.2f}"
+                           for opt, row in report["auto_coefficients"].items())
+        lines += ["", f"Automatic coefficients after the last step, over tensors (min / median / max): {spread}."]
     if report.get("table_delayed_lr"):
         lines += [""] + grid_table(
             "The same at the learning rate that is best for the *delayed* run (first seed, grid):",
@@ -875,7 +880,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one seed, 200 steps, no LR grid/depth/momentum/pipeline"
                    " (with --extended: a tiny model for a few steps, in this process, in seconds)")
     p.add_argument("--extended", action="store_true",
-                   help="the larger protocol: a 3.7M-parameter GPT (6x224), 1800 steps, seeds 0 1 2, AdamW, Muon, SOAP"
+                   help="the larger protocol: a 3.76M-parameter GPT (6x224), 1800 steps, seeds 0 1 2, AdamW, Muon, SOAP"
                    " and Adan x sync, delayed, delayed + c=1, delayed + auto, at the sync-best and the delayed-best"
                    " learning rate of each grid; explicit options override these settings")
     p.add_argument("--steps", type=int, default=None)
