@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -54,6 +54,7 @@ from lightning_async_pp.pipeline.stats import StatsRelay
 from lightning_async_pp.pipeline import ties as tied
 from lightning_async_pp.resume import ResumableLoader
 from lightning_async_pp.routing import report_routing
+from lightning_async_pp.sigterm import install as install_sigterm_stop
 
 # A child of Lightning's logger, so each rank's placement line is shown with Lightning's own messages.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
@@ -190,7 +191,6 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._runtime: StageRuntime | None = None
         self._relay: StatsRelay | None = None
         self._metrics: MetricsRelay | None = None
-        self._finish_sigterm_check: Callable[[], None] | None = None
         self._steps_run = 0
         self._stats_reported = 0
         self._no_loss: Tensor | None = None
@@ -391,7 +391,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         if self.multi_process and trainer.state.fn == TrainerFn.FITTING:
             self._check_tied_updates()
             self._runtime = self._build_runtime(trainer)
-            self._install_sigterm_check(trainer)
+            install_sigterm_stop(trainer, self._metrics)  # the flag rides on the metrics relay
             self._steps_run = 0
             # Stages apply their first update inside a later step, after Lightning has stepped the scheduler;
             # each update uses the learning rate of its own step (see StageRuntime). torch warns about a scheduler
@@ -428,34 +428,6 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._stats_reported = 0
         # Checkpoints plan on a group of their own, so that an asynchronous save never meets training traffic.
         self._groups["checkpoint"] = dist.new_group(backend="gloo")
-
-    def _install_sigterm_check(self, trainer: Trainer) -> None:
-        """Replace Lightning's per-step SIGTERM broadcast by one that never stalls the pipeline.
-
-        Before every training step Lightning broadcasts rank 0's "received SIGTERM" flag and every rank waits
-        for it: a barrier per step, which holds the first stage back until the last one (rank 0) is done with
-        the previous step, and brings back part of the bubble 2BW removes. Here each step posts a
-        non-blocking broadcast and reads the one posted a step earlier, so a SIGTERM still stops every rank,
-        consistently, one step later.
-        """
-        group = dist.new_group(backend="gloo")
-        pending: list[tuple[Any, Tensor]] = []
-
-        def broadcast_sigterm_flag_one_step_late() -> None:
-            flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
-            pending.append((dist.broadcast(flag, src=0, group=group, async_op=True), flag))
-            if len(pending) > 1:
-                work, arrived = pending.pop(0)
-                work.wait()
-                if int(arrived) == 1:
-                    raise SIGTERMException()
-
-        def finish() -> None:
-            while pending:
-                pending.pop(0)[0].wait()
-
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = broadcast_sigterm_flag_one_step_late
-        self._finish_sigterm_check = finish
 
     def layer_partition(self, module: LightningModule) -> list[range]:
         """The layers of each stage, from ``split_points`` or balanced by ``balance``."""
@@ -756,9 +728,6 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self.flush()
-        if self._finish_sigterm_check is not None:
-            self._finish_sigterm_check()
-            self._finish_sigterm_check = None
         if self._relay is not None:
             if self._runtime is not None:
                 for stats in self._runtime.take_stats():

@@ -560,3 +560,74 @@ def test_research_optimizers_match_reference(name, coefficient):
     for ours, uncorrected in zip(params, plain):
         assert not torch.allclose(ours, uncorrected, atol=1e-4), "the correction had no effect"
     assert all(0 <= float(optimizer.state[p].get("lookahead", 0)) <= 1 for p in params)
+
+
+class PerTensorReference:
+    """The correction written out per parameter, with no multi-tensor arithmetic: the specification the
+    wrapper's grouped ``torch._foreach_*`` path must reproduce bit for bit."""
+
+    def __init__(self, base: torch.optim.Optimizer, coefficient: float) -> None:
+        self.base, self.coefficient = base, coefficient
+
+    @torch.no_grad()
+    def step(self) -> None:
+        params = [p for group in self.base.param_groups for p in group["params"] if p.grad is not None]
+        before = [p.clone() for p in params]
+        self.base.step()
+        for param, snapshot in zip(params, before):
+            update = snapshot - param
+            previous = self.base.state[param].get("previous_update")
+            if previous is not None:
+                param.add_(previous - update, alpha=self.coefficient)
+            self.base.state[param]["previous_update"] = update
+
+
+MIXED = [((6, 4), torch.float32), ((4, 8), torch.bfloat16), ((5,), torch.float64), ((3, 2, 2), torch.float32),
+         ((7,), torch.bfloat16), ((1,), torch.float32)]
+
+
+def mixed_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape, dtype in MIXED]
+
+
+def set_mixed_grads(params, step: int, skip: int | None = None) -> None:
+    generator = torch.Generator().manual_seed(200 + step)
+    for i, param in enumerate(params):
+        grad = param.detach().float() * 0.3 + torch.randn(param.shape, generator=generator)
+        param.grad = None if i == skip else grad.to(param.dtype)
+
+
+@pytest.mark.parametrize("coefficient", [1.0, 0.7])
+@pytest.mark.parametrize("base", [adamw_factory, partial(torch.optim.SGD, lr=0.05, momentum=0.9)], ids=["adamw", "sgd"])
+def test_grouped_path_equals_per_tensor_reference_bitwise(base, coefficient):
+    """Several shapes and dtypes in one optimizer, a parameter that joins late, and a save/load in the middle."""
+    params, ref_params = mixed_params(), mixed_params()
+    optimizer = DelayCorrected(base(params), coefficient=coefficient)
+    reference = PerTensorReference(base(ref_params), coefficient)
+    for step in range(4):  # parameter 2 has no gradient in the first steps: it starts its correction later
+        for ps in (params, ref_params):
+            set_mixed_grads(ps, step, skip=2 if step < 2 else None)
+        optimizer.step()
+        reference.step()
+
+    # Round trip through a state dict into a fresh wrapper over fresh copies of the weights.
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    saved.seek(0)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = DelayCorrected(base(resumed), coefficient=coefficient)
+    optimizer.load_state_dict(torch.load(saved))
+    params = resumed
+    for step in range(4, 8):
+        for ps in (params, ref_params):
+            set_mixed_grads(ps, step)
+        optimizer.step()
+        reference.step()
+
+    for ours, ref in zip(params, ref_params):
+        assert ours.dtype == ref.dtype
+        assert torch.equal(ours, ref)
+    for ours, ref in zip(params, ref_params):
+        assert torch.equal(optimizer.state[ours]["previous_update"], reference.base.state[ref]["previous_update"])
+    assert not torch.equal(params[0], mixed_params()[0])

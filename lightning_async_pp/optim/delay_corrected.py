@@ -208,25 +208,30 @@ class DelayCorrected(Optimizer):
         # On a parameter's first step its snapshot becomes its buffer; afterwards snapshots are temporary.
         first_updates = [p.clone() for p in first]
         updates = _empty_like_in_one_block(continuing)
-        if continuing:
-            torch._foreach_copy_(updates, continuing)
+        # One multi-tensor kernel per device and dtype (a mixed list would fall back to one kernel per tensor).
+        grouped = _by_device_and_dtype(continuing, previous, updates)
+        for weights, _, snapshots in grouped:
+            torch._foreach_copy_(snapshots, weights)
         self.base_optimizer.step()
 
-        for param, update in zip(first, first_updates):
-            self.state[param][STATE_KEY] = update.sub_(param)
+        if first:
+            torch._foreach_sub_(first_updates, first)
+            for param, update in zip(first, first_updates):
+                self.state[param][STATE_KEY] = update
         if self.coefficient == AUTO:
             for param in first:
                 self.state[param][LOOKAHEAD_KEY] = torch.zeros((), device=param.device)
-            if continuing:
-                torch._foreach_sub_(updates, continuing)
-                _auto_correct(continuing, updates, previous, [self.state[p] for p in continuing])
-        elif continuing:
-            # u_t = w_before - w_after; then w_after + c * (u_{t-1} - u_t), and u_t is copied into the old
-            # buffer rather than replacing it, so that the persistent state is never reallocated.
-            torch._foreach_sub_(updates, continuing)
-            torch._foreach_sub_(previous, updates)
-            torch._foreach_add_(continuing, previous, alpha=self.coefficient)
-            torch._foreach_copy_(previous, updates)
+            for weights, buffers, snapshots in grouped:
+                torch._foreach_sub_(snapshots, weights)
+                _auto_correct(weights, snapshots, buffers, [self.state[p] for p in weights])
+        else:
+            for weights, buffers, snapshots in grouped:
+                # u_t = w_before - w_after; then w_after + c * (u_{t-1} - u_t), and u_t is copied into the old
+                # buffer rather than replacing it, so that the persistent state is never reallocated.
+                torch._foreach_sub_(snapshots, weights)
+                torch._foreach_sub_(buffers, snapshots)
+                torch._foreach_add_(weights, buffers, alpha=self.coefficient)
+                torch._foreach_copy_(buffers, snapshots)
         return loss
 
 
@@ -262,6 +267,18 @@ def _auto_correct(
     torch._foreach_sub_(params, updates)
     for state, c, a, n in zip(states, coefficients, alignment.unbind(), norm.unbind()):
         state[LOOKAHEAD_KEY], state[ALIGNMENT_KEY], state[SQUARE_KEY] = c, a, n
+
+
+def _by_device_and_dtype(*lists: list[Tensor]) -> list[tuple[list[Tensor], ...]]:
+    """Split parallel lists of tensors into groups of one device and dtype (that of the first list's tensor)."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
+    for tensors in zip(*lists):
+        key = (tensors[0].device, tensors[0].dtype)
+        if key not in groups:
+            groups[key] = tuple([] for _ in lists)
+        for group, tensor in zip(groups[key], tensors):
+            group.append(tensor)
+    return list(groups.values())
 
 
 def _empty_like_in_one_block(tensors: list[Tensor]) -> list[Tensor]:

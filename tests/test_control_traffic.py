@@ -1,0 +1,60 @@
+"""Per-step control traffic of a pipeline: which collectives a training step posts, and a SIGTERM on one rank
+stopping every rank at the same step."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_script
+
+RUN = Path(__file__).parent / "control_run.py"
+
+
+def run(tmp_path, *args: str, timeout: float = 240) -> tuple[list[dict], str]:
+    code, output = run_script([sys.executable, str(RUN), "--out", str(tmp_path), *args], timeout)
+    records = sorted(tmp_path.glob("rank*.json"))
+    return [json.loads(path.read_text()) for path in records], output
+
+
+@pytest.mark.slow
+def test_one_collective_per_step_on_one_pipeline(tmp_path):
+    """One pipeline of two stages: a steady-state step posts one collective, the relay's message (Lightning's
+    SIGTERM broadcast and a separate metrics broadcast were two)."""
+    records, output = run(tmp_path, "--devices", "2", "--pipeline-size", "2", "--steps", "6")
+    assert len(records) == 2, output[-4000:]
+    for rank, record in enumerate(records):
+        steady = record["collectives"][2:]
+        assert len(steady) >= 3, output[-3000:]
+        for calls in steady:
+            assert calls == [["all_reduce", 2]], (rank, calls)
+
+
+@pytest.mark.slow
+def test_no_whole_world_collective_per_step_with_replicas(tmp_path):
+    """Two replicas of two stages: every collective of a steady-state step runs on a group of 2 of the 4
+    processes: the gradient (and, on the last stage, loss) averaging over the replicas of a stage, the
+    pipeline's message and the replicas' stop flag. Nothing over all 4 (Lightning's SIGTERM broadcast was)."""
+    records, output = run(tmp_path, "--devices", "4", "--pipeline-size", "2", "--steps", "6")
+    assert len(records) == 4, output[-4000:]
+    for rank, record in enumerate(records):
+        steady = record["collectives"][2:]
+        assert len(steady) >= 3, output[-3000:]
+        for calls in steady:
+            assert calls and all(size == 2 for _, size in calls), (rank, calls)
+            assert [name for name, _ in calls].count("broadcast") == 0, (rank, calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [1, 0], ids=["first-stage", "last-stage"])
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, rank):
+    records, output = run(tmp_path, "--devices", "2", "--pipeline-size", "2", "--steps", "12",
+                          "--sigterm-rank", str(rank), "--sigterm-step", "3")
+    assert len(records) == 2, output[-4000:]
+    stops = [record["stopped_at"] for record in records]
+    assert stops[0] is not None and stops == [stops[0]] * 2, (stops, output[-3000:])
+    # The flag sent after step 3 (global_step 3 at batch end is step index 2) travels one message: a few steps.
+    assert 3 <= stops[0] <= 6, stops
+    assert all(record["received_sigterm"] for record in records)
