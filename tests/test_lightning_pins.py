@@ -60,6 +60,21 @@ def test_sigterm_broadcast_is_a_replaceable_method_called_every_step():
     assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
 
 
+def test_sigterm_notifier_is_a_method_in_a_list_of_handlers():
+    # lightning_async_pp.sigterm swaps the connector's notifier (which would broadcast inside the handler and
+    # set the flag every rank checks after its step) for one that only records the signal, in the handler
+    # list Lightning installs, and sets `received_sigterm` on the connector where every rank stops.
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
+
+    source = inspect.getsource(_SignalConnector.register_signal_handlers)
+    assert "sigterm_handlers: list[_HANDLER] = [self._sigterm_notifier_fn]" in source
+    assert "_HandlersCompose(sigterm_handlers)" in source
+    assert _HandlersCompose([print]).signal_handlers == [print]
+    assert "self.received_sigterm = True" in inspect.getsource(_SignalConnector._sigterm_notifier_fn)
+    assert "self._signal_connector.received_sigterm" in inspect.getsource(Trainer.received_sigterm.fget)
+
+
 def test_hook_callers():
     # A stage calls `on_before_optimizer_step` itself, through the trainer's hook callers (which set the
     # current hook's name, so `self.log` inside the hook works).
