@@ -11,7 +11,8 @@ flag travels in the per-step message of :class:`~lightning_async_pp.metrics.Metr
 step late, see there), which tells every rank the same step to stop before. There every rank sets
 ``trainer.received_sigterm`` and raises Lightning's ``SIGTERMException``, so ``on_exception`` callbacks run on
 every rank at the same ``global_step`` (two steps after the signal with one pipeline, three with replicas).
-A signal that arrives after the last step is dropped: the run ends normally.
+The flag is sampled at the end of each training step: a signal during validation stops training two
+steps after it resumes, and one that arrives after the last step is dropped (the run ends normally).
 """
 
 from __future__ import annotations

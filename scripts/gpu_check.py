@@ -22,8 +22,11 @@ Exit status 1 if a check failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,7 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from helpers import fit, random_batches, run_script, tiny_gpt  # noqa: E402
+from helpers import fit, random_batches, tiny_gpt  # noqa: E402
 from pipeline_run import make_optimizer  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -59,7 +62,7 @@ def run_pipeline(accelerator: str, devices: int, schedule: str, microbatches: in
         "--width", str(size["width"]), "--seq", str(size["seq"]), "--batch-size", str(size["batch"]),
         "--layers", str(size["layers"]), "--out", str(out),
     ]
-    code, output = run_script(command, watchdog, raise_on_timeout=True)  # the watchdog: a hang raises
+    code, output = run_ranks(command, devices, watchdog)
     if code != 0:
         raise RuntimeError(f"exit code {code}:\n{output[-3000:]}")
     result = json.loads((out / "losses.json").read_text())
@@ -67,6 +70,50 @@ def run_pipeline(accelerator: str, devices: int, schedule: str, microbatches: in
     for rank in range(devices):
         result["weights"].update(torch.load(out / f"weights_rank{rank}.pt"))
     return result
+
+
+def run_ranks(command: list[str], ranks: int, watchdog: float) -> tuple[int, str]:
+    """Start every rank of a job at once, as torchrun does (Lightning would start rank 0 and only then, once it
+    has imported everything, the others: a start-up each job pays twice); one process group for the job, killed
+    whole when a rank fails or the watchdog fires (which raises ``TimeoutError``). Returns the exit status (the
+    first failure's) and the ranks' combined output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), WORLD_SIZE=str(ranks), NODE_RANK="0")
+    procs, logs = [], []
+    deadline = time.perf_counter() + watchdog
+    try:
+        for rank in range(ranks):
+            logs.append(tempfile.TemporaryFile("w+"))
+            procs.append(subprocess.Popen(
+                command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=logs[-1],
+                stderr=subprocess.STDOUT, text=True, process_group=0 if rank == 0 else procs[0].pid,
+            ))
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                code = failed[0] if failed else 0
+                break
+            if time.perf_counter() > deadline:
+                code = None
+                break
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError, IndexError):
+            os.killpg(procs[0].pid, signal.SIGKILL)  # only what is left: a failed or hung job
+        for proc in procs:
+            proc.wait()
+        output = ""
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            output += f"--- rank {rank}\n" + log.read()[-4000:]
+            log.close()
+    if code is None:
+        raise TimeoutError(f"{Path(command[1]).name} made no progress for {watchdog}s:\n{output[-4000:]}")
+    return code, output
 
 
 def exactness(accelerator: str, tolerance: float) -> list[dict]:

@@ -48,13 +48,18 @@ def test_no_whole_world_collective_per_step_with_replicas(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [1, 0], ids=["first-stage", "last-stage"])
-def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, rank):
-    records, output = run(tmp_path, "--devices", "2", "--pipeline-size", "2", "--steps", "12",
+@pytest.mark.parametrize(
+    ("devices", "rank"), [(2, 1), (2, 0), (4, 3)], ids=["first-stage", "last-stage", "replica-first-stage"]
+)
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, devices, rank):
+    """SIGTERM reaches one process after step 3; every rank stops before the same later step and runs
+    `on_exception` there with `trainer.received_sigterm` set (Lightning would stop the receiving rank alone, or,
+    for a rank other than 0, block it in a broadcast inside the signal handler)."""
+    records, output = run(tmp_path, "--devices", str(devices), "--pipeline-size", "2", "--steps", "12",
                           "--sigterm-rank", str(rank), "--sigterm-step", "3")
-    assert len(records) == 2, output[-4000:]
+    assert len(records) == devices, output[-4000:]
     stops = [record["stopped_at"] for record in records]
-    assert stops[0] is not None and stops == [stops[0]] * 2, (stops, output[-3000:])
-    # The flag sent after step 3 (global_step 3 at batch end is step index 2) travels one message: a few steps.
-    assert 3 <= stops[0] <= 6, stops
+    assert stops[0] is not None and stops == [stops[0]] * devices, (stops, output[-3000:])
+    # The flag is sampled at the next step's end and read a step later: two steps (three across replicas).
+    assert stops[0] == (5 if devices == 2 else 6), stops
     assert all(record["received_sigterm"] for record in records)
