@@ -32,3 +32,40 @@ def save_report(report: dict[str, Any], out: str | None) -> None:
 
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1))
+
+
+def run_ranks(command: list[str], envs: list[dict[str, str]], logs: list[Any], timeout: float,
+              cwd: str | None = None) -> int | None:
+    """Start one process of ``command`` per entry of ``envs`` at once, as torchrun does, and wait for them.
+
+    The processes share one process group (the first one's), killed whole at the end, so a failed or timed-out
+    job leaves nothing behind (nor anything its ranks started). ``logs`` are the files their output goes to.
+
+    Returns:
+        0 when every process exited with 0, the first non-zero exit status, or ``None`` after ``timeout`` seconds.
+    """
+    import signal
+    import subprocess
+    import time
+
+    procs: list[subprocess.Popen] = []
+    deadline = time.perf_counter() + timeout
+    try:
+        for env, log in zip(envs, logs):
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                          process_group=0 if not procs else procs[0].pid))
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                return failed[0] if failed else 0
+            if time.perf_counter() > deadline:
+                return None
+            time.sleep(0.05)
+    finally:
+        try:
+            os.killpg(procs[0].pid, signal.SIGKILL)  # only what is left: a failed or timed-out job
+        except (ProcessLookupError, IndexError):
+            pass
+        for proc in procs:
+            proc.wait()

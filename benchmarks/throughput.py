@@ -54,10 +54,8 @@ import json
 import os
 import resource
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +64,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench_common import machine_description
+from bench_common import machine_description, run_ranks
 
 PIPELINE_VARIANTS = ("async_pp_2bw", "async_pp_1f1b", "torch_1f1b", "torch_gpipe", "single_process")
 CORRECTED_VARIANT = "async_pp_2bw_dc"
@@ -436,36 +434,12 @@ def run_job(
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
     started = time.perf_counter()
     result_dir.mkdir(parents=True)
-    procs, logs = [], []
-    code: int | None = 0
+    # One process group per job, so that a timeout kills every rank (and anything they started).
+    envs = [dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if ranks > 1 else env for rank in range(ranks)]
+    logs = [open(result_dir.with_name(result_dir.name + f".rank{rank}.log"), "w") for rank in range(ranks)]
     try:
-        for rank in range(ranks):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if ranks > 1 else env
-            log = open(result_dir.with_name(result_dir.name + f".rank{rank}.log"), "w")
-            logs.append(log)
-            # One process group per job, so that a timeout kills every rank (and anything they started).
-            group = 0 if rank == 0 else procs[0].pid
-            procs.append(
-                subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=root, process_group=group)
-            )
-        deadline = started + timeout
-        while True:
-            codes = [proc.poll() for proc in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed or all(c == 0 for c in codes):
-                code = failed[0] if failed else 0
-                break
-            if time.perf_counter() > deadline:
-                code = None
-                break
-            time.sleep(0.05)
+        code = run_ranks(command, envs, logs, timeout, cwd=root)
     finally:
-        try:
-            os.killpg(procs[0].pid, signal.SIGKILL)  # only what is left: a failed or timed-out job
-        except (ProcessLookupError, IndexError):
-            pass
-        for proc in procs:
-            proc.wait()
         for log in logs:
             log.close()
     elapsed = time.perf_counter() - started

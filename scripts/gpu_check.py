@@ -22,10 +22,8 @@ Exit status 1 if a check failed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +35,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_common  # noqa: E402
 from helpers import fit, random_batches, tiny_gpt  # noqa: E402
 from pipeline_run import make_optimizer  # noqa: E402
 
@@ -74,42 +74,23 @@ def run_pipeline(accelerator: str, devices: int, schedule: str, microbatches: in
 
 def run_ranks(command: list[str], ranks: int, watchdog: float) -> tuple[int, str]:
     """Start every rank of a job at once, as torchrun does (Lightning would start rank 0 and only then, once it
-    has imported everything, the others: a start-up each job pays twice); one process group for the job, killed
-    whole when a rank fails or the watchdog fires (which raises ``TimeoutError``). Returns the exit status (the
-    first failure's) and the ranks' combined output."""
+    has imported everything, the others: a start-up each job pays twice); a failure or the watchdog (which
+    raises ``TimeoutError``) kills the whole job. Returns the exit status and the ranks' combined output."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), WORLD_SIZE=str(ranks), NODE_RANK="0")
-    procs, logs = [], []
-    deadline = time.perf_counter() + watchdog
+    logs = [tempfile.TemporaryFile("w+") for _ in range(ranks)]
     try:
-        for rank in range(ranks):
-            logs.append(tempfile.TemporaryFile("w+"))
-            procs.append(subprocess.Popen(
-                command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=logs[-1],
-                stderr=subprocess.STDOUT, text=True, process_group=0 if rank == 0 else procs[0].pid,
-            ))
-        while True:
-            codes = [proc.poll() for proc in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed or all(c == 0 for c in codes):
-                code = failed[0] if failed else 0
-                break
-            if time.perf_counter() > deadline:
-                code = None
-                break
-            time.sleep(0.05)
-    finally:
-        with contextlib.suppress(ProcessLookupError, IndexError):
-            os.killpg(procs[0].pid, signal.SIGKILL)  # only what is left: a failed or hung job
-        for proc in procs:
-            proc.wait()
+        code = bench_common.run_ranks(command, [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(ranks)],
+                                      logs, watchdog)
         output = ""
         for rank, log in enumerate(logs):
             log.seek(0)
             output += f"--- rank {rank}\n" + log.read()[-4000:]
+    finally:
+        for log in logs:
             log.close()
     if code is None:
         raise TimeoutError(f"{Path(command[1]).name} made no progress for {watchdog}s:\n{output[-4000:]}")

@@ -19,17 +19,20 @@ def run(tmp_path, *args: str, timeout: float = 240) -> tuple[list[dict], str]:
     return [json.loads(path.read_text()) for path in records], output
 
 
+def steady_steps(tmp_path, devices: int) -> list[tuple[int, list]]:
+    """``(rank, collectives of one step)`` for every steady-state step (from the third) of a 6-step run."""
+    records, output = run(tmp_path, "--devices", str(devices), "--pipeline-size", "2", "--steps", "6")
+    assert len(records) == devices, output[-4000:]
+    assert all(len(record["collectives"]) >= 5 for record in records), output[-3000:]
+    return [(rank, calls) for rank, record in enumerate(records) for calls in record["collectives"][2:]]
+
+
 @pytest.mark.slow
 def test_one_collective_per_step_on_one_pipeline(tmp_path):
     """One pipeline of two stages: a steady-state step posts one collective, the relay's message (Lightning's
     SIGTERM broadcast and a separate metrics broadcast were two)."""
-    records, output = run(tmp_path, "--devices", "2", "--pipeline-size", "2", "--steps", "6")
-    assert len(records) == 2, output[-4000:]
-    for rank, record in enumerate(records):
-        steady = record["collectives"][2:]
-        assert len(steady) >= 3, output[-3000:]
-        for calls in steady:
-            assert calls == [["all_reduce", 2]], (rank, calls)
+    for rank, calls in steady_steps(tmp_path, 2):
+        assert calls == [["all_reduce", 2]], (rank, calls)
 
 
 @pytest.mark.slow
@@ -37,14 +40,9 @@ def test_no_whole_world_collective_per_step_with_replicas(tmp_path):
     """Two replicas of two stages: every collective of a steady-state step runs on a group of 2 of the 4
     processes: the gradient (and, on the last stage, loss) averaging over the replicas of a stage, the
     pipeline's message and the replicas' stop flag. Nothing over all 4 (Lightning's SIGTERM broadcast was)."""
-    records, output = run(tmp_path, "--devices", "4", "--pipeline-size", "2", "--steps", "6")
-    assert len(records) == 4, output[-4000:]
-    for rank, record in enumerate(records):
-        steady = record["collectives"][2:]
-        assert len(steady) >= 3, output[-3000:]
-        for calls in steady:
-            assert calls and all(size == 2 for _, size in calls), (rank, calls)
-            assert [name for name, _ in calls].count("broadcast") == 0, (rank, calls)
+    for rank, calls in steady_steps(tmp_path, 4):
+        assert calls and all(size == 2 for _, size in calls), (rank, calls)
+        assert [name for name, _ in calls].count("broadcast") == 0, (rank, calls)
 
 
 @pytest.mark.slow
