@@ -76,3 +76,28 @@ def encoded(metrics: dict) -> bytes:
     from lightning_async_pp.metrics import encode
 
     return encode({k: torch.tensor(v) for k, v in metrics.items()})
+
+
+def test_relay_reads_values_from_host_memory_only():
+    """What a step of the relay does on the last stage (stage the logged values, post the message, read the
+    previous one) and on another stage (decode the values) reads no tensor's value on the host: each such read of
+    a CUDA tensor would wait for the device. One process, a group of one, stands for the pipeline."""
+    from test_no_sync import count_syncs
+
+    from lightning_async_pp.metrics import decode, encode
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        relay = MetricsRelay.for_pipelines([[0]], 0, torch.device("cpu"))
+        trainer = SimpleNamespace(callback_metrics={}, _results=Results())
+        counter: dict = {}
+        for metrics in (STEPS[0], STEPS[3], STEPS[0]):
+            trainer._results.step = metrics
+            with count_syncs(counter):
+                relay.step(trainer)
+                decoded = decode(encode(trainer._results.metrics(True)["callback"]), torch.device("cpu"))
+            assert counter == {}, counter
+            assert {k: float(v) for k, v in decoded.items()} == metrics
+        relay.finish(trainer)
+    finally:
+        dist.destroy_process_group()
