@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
@@ -50,19 +48,18 @@ from lightning_async_pp.distributed import init_process_group
 from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
 from lightning_async_pp.pipeline.recompute import ActivationCheckpointing, check_option, checkpoint_layers, select_layers
 from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats, check_finite_losses
-from lightning_async_pp.pipeline.stats import StatsRelay
+from lightning_async_pp.pipeline.stats import StatsRelay, write_chrome_trace
 from lightning_async_pp.pipeline import ties as tied
 from lightning_async_pp.resume import ResumableLoader
 from lightning_async_pp.routing import report_routing
 from lightning_async_pp.sigterm import install as install_sigterm_stop
+from lightning_async_pp.stage_stats import StageStatistics
 
 # A child of Lightning's logger, so each rank's placement line is shown with Lightning's own messages.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 
 SCHEDULES = schedules.SCHEDULES
 CHECKPOINT_KEY = sharded.CHECKPOINT_KEY
-# Steps of per-stage statistics rank 0 keeps in `stage_stats` (older ones are dropped; the logger has them).
-STAGE_STATS_HISTORY = 1000
 
 
 class AsyncPipelineStrategy(ParallelStrategy):
@@ -189,20 +186,15 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._model_shapes: dict[str, tuple[int, ...]] | None = None
         self._parameter_aliases: dict[str, str] = {}
         self._runtime: StageRuntime | None = None
-        self._relay: StatsRelay | None = None
+        self._stage_stats: StageStatistics | None = None
         self._metrics: MetricsRelay | None = None
         self._steps_run = 0
-        self._stats_reported = 0
         self._no_loss: Tensor | None = None
-        self._pending_stage_stats: dict[int, dict[int, StepStats]] = {}
         self._ties: tied.TiedGradients | None = None
         self._tie_groups: tuple[list[tied.Tie], list[Any]] | None = None
         self.stage_layers: range | None = None
         self._partition: list[range] | None = None
         self._data_seed = 0
-        self.stage_stats: dict[int, deque[StepStats]] = {}
-        """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps, per
-        stage, in step order."""
 
     # --- processes and placement ---------------------------------------------------------------------
 
@@ -253,6 +245,12 @@ class AsyncPipelineStrategy(ParallelStrategy):
         """This process's stage. Last stages (which have the loss) take the lowest global ranks, replica 0's
         on rank 0, so Lightning logs the loss where it lives."""
         return self.num_stages - 1 - self.global_rank // self.data_parallel_size
+
+    @property
+    def stage_stats(self) -> dict[int, deque[StepStats]]:
+        """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps (see
+        :mod:`lightning_async_pp.stage_stats`), per stage, in step order."""
+        return self._stage_stats.records if self._stage_stats is not None else {}
 
     def rank_of(self, stage: int, replica: int | None = None) -> int:
         """Global rank of ``stage`` in ``replica`` (default: this process's replica)."""
@@ -420,12 +418,14 @@ class AsyncPipelineStrategy(ParallelStrategy):
         stats_ranks = [self.rank_of(s, 0) for s in range(P)]
         stats_group = dist.new_group(stats_ranks, backend="gloo")
         peers = [r for r in stats_ranks if r != 0]
-        self._relay = StatsRelay(self.global_rank, peers, stats_group)
+        self._stage_stats = StageStatistics(
+            P, self.stage, self.is_global_zero, StatsRelay(self.global_rank, peers, stats_group),
+            stage_of_rank=lambda rank: P - 1 - rank // D,
+        )
         # What the last stage logs reaches the other stages of its replica (see lightning_async_pp.metrics).
         pipelines = [[self.rank_of(s, replica) for s in range(P)] for replica in range(D)]
         self._metrics = MetricsRelay.for_pipelines(pipelines, self.global_rank, self.root_device, self.timeout)
         self._steps_run = 0
-        self._stats_reported = 0
         # Checkpoints plan on a group of their own, so that an asynchronous save never meets training traffic.
         self._groups["checkpoint"] = dist.new_group(backend="gloo")
 
@@ -478,7 +478,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             if any(t.is_meta for t in (*layers[index].parameters(), *layers[index].buffers())):
                 materialize(module, index, layers[index], self.root_device)
         tied.retie(shared)
-        stage_params = dict(nn.Sequential(*(layers[i] for i in own)).named_parameters())
+        self._stage_params = stage_params = dict(nn.Sequential(*(layers[i] for i in own)).named_parameters())
         tied.broadcast_ties(ties, self.stage, stage_params, groups, sources)
         self._ties = tied.TiedGradients(ties, self.stage, groups) if any(t.requires_grad for t in ties) else None
         self._tie_groups = (ties, groups) if ties else None
@@ -505,7 +505,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         if self._tie_groups is None or len(self.optimizers) != 1:
             return  # no ties; or a wrong optimizer count, which the runtime refuses with its own message
         ties, groups = self._tie_groups
-        params = dict(nn.Sequential(*self._stage_modules).named_parameters())
+        params = self._stage_params
         module_names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         try:
             tied.check_tied_updates(ties, self.stage, params, self.optimizers[0].param_groups, groups,
@@ -589,7 +589,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 # every step, a host-device synchronization per step, so it shows the loss on CPU only.
                 on_cpu = loss.device.type == "cpu"
                 module.log("train/loss", loss, prog_bar=on_cpu, on_step=True, on_epoch=False)
-            self._report_stats(stats)
+            if self._stage_stats is not None:
+                self._stage_stats.report(stats, module.trainer)
             # The gradients are already in place; `backward` skips this detached value. Only the last
             # stage (rank 0) knows the loss.
             if loss is None:
@@ -620,44 +621,6 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 f"num_microbatches='auto': {count} micro-batches of {size // count} samples, the smallest number that "
                 f"is at least the {self.num_stages} pipeline stage(s) and divides the batch size {size}"
             )
-
-    def _report_stats(self, stats: StepStats | None) -> None:
-        """Send a step's timings to rank 0 (which logs them); each stage reports as many records."""
-        if stats is None:
-            return
-        self._stats_reported += 1
-        self._relay.publish(stats)
-        if self.is_global_zero:
-            self._record_stats(self.stage, stats)
-            self._relay.poll(lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._stats_reported)
-
-    def _stage_of_rank(self, rank: int) -> int:
-        return self.num_stages - 1 - rank // self.data_parallel_size
-
-    def _record_stats(self, stage: int, stats: StepStats) -> None:
-        """Rank 0: keep one stage's record and, every ``log_every_n_steps`` steps, log it; once all stages
-        reported a logged step, log the mean bubble."""
-        self.stage_stats.setdefault(stage, deque(maxlen=STAGE_STATS_HISTORY)).append(stats)
-        trainer = self.lightning_module.trainer
-        every = trainer.log_every_n_steps
-        if not trainer.loggers or every == 0 or (stats.step + 1) % every != 0:
-            return  # the steps Lightning logs `train/loss` at
-        prefix = f"pipeline/stage{stage}"
-        metrics = {
-            f"{prefix}/bubble_fraction": stats.bubble_fraction,
-            f"{prefix}/forward_sec": stats.forward,
-            f"{prefix}/backward_sec": stats.backward,
-            f"{prefix}/wait_sec": stats.wait,
-            f"{prefix}/update_sec": stats.update,
-            f"{prefix}/version_lag": float(stats.version_lag),
-        }
-        step_records = self._pending_stage_stats.setdefault(stats.step, {})
-        step_records[stage] = stats
-        if len(step_records) == self.num_stages:
-            del self._pending_stage_stats[stats.step]
-            metrics["pipeline/bubble_fraction"] = sum(r.bubble_fraction for r in step_records.values()) / self.num_stages
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=stats.step)
 
     def _microbatch_forward(self, module: LightningModule, batch: Any) -> list[Tensor]:
         layers = module.pipeline_layers()
@@ -728,16 +691,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self.flush()
-        if self._relay is not None:
-            if self._runtime is not None:
-                for stats in self._runtime.take_stats():
-                    self._report_stats(stats)
-            if self.is_global_zero:
-                self._relay.poll(
-                    lambda rank, s: self._record_stats(self._stage_of_rank(rank), s), self._stats_reported, block=True
-                )
-            else:
-                self._relay.close()
+        if self._stage_stats is not None:
+            remaining = self._runtime.take_stats() if self._runtime is not None else []
+            self._stage_stats.finish(remaining, self.lightning_module.trainer)
         self._write_trace()
         super().on_train_end()
 
@@ -793,21 +749,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
         gathered = self.gather_stages((self.stage, self._runtime.events))
         if gathered is None:
             return
-        origin = min((events[0][1] for _, events in gathered if events), default=0.0)
-        trace = []
-        for stage, events in sorted(gathered):
-            trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}})
-            for name, start, end in events:
-                kind = name.lstrip("0123456789")
-                trace.append({
-                    "name": name, "cat": kind.rstrip("0123456789"), "ph": "X", "pid": 0, "tid": stage,
-                    "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6,
-                })
-        os.makedirs(self.trace_dir, exist_ok=True)
-        path = os.path.join(self.trace_dir, "pipeline_trace.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-        os.replace(path + ".tmp", path)
+        path = write_chrome_trace(gathered, self.trace_dir)
         log.info(f"Pipeline trace written to {path} (open it in chrome://tracing or ui.perfetto.dev)")
 
     # --- checkpoints ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from lightning_async_pp.module import PipelineModule
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 
 Batch = tuple[Tensor, Tensor]
 
