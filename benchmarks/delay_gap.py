@@ -449,6 +449,25 @@ class Runner:
         return [results[s] for s in specs]
 
 
+def reuse_runs(runner: Runner, reports: list[str], corpus: str | None) -> int:
+    """Put the runs recorded in earlier ``--out`` reports into ``runner``'s cache, so that a protocol interrupted
+    on one machine continues on another. A run is taken only if it was trained on the same corpus; its cache key
+    is recomputed with this machine's path to it. Returns how many runs were added."""
+    fields = {f.name for f in dataclasses.fields(RunSpec)}
+    added = 0
+    for report in reports:
+        for run in json.loads(Path(report).read_text())["runs"]:
+            if run.get("corpus") != portable_path(corpus) or fields - {"corpus"} - set(run):
+                continue
+            spec = RunSpec(**{**{k: run[k] for k in fields - {"corpus"}}, "corpus": corpus})
+            path = runner.result_path(spec)
+            if not path.exists():
+                result = {k: v for k, v in run.items() if k not in ("kind", "run_id")}
+                path.write_text(json.dumps(result))
+                added += 1
+    return added
+
+
 def _loss(result: dict[str, Any]) -> float:
     value = result["final_val_loss"]
     return math.inf if value is None else value
@@ -948,6 +967,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--in-process", action="store_true",
                    help="run the one-device runs in this process, one at a time (tests; no isolation)")
+    p.add_argument("--reuse", nargs="+", default=None, metavar="JSON",
+                   help="earlier --out reports whose runs count as done (to continue a protocol on another machine)")
     p.add_argument("--from-json", default=None, help="only re-render the markdown and the plot of an earlier --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -1037,6 +1058,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         val_batches=args.val_batches, corpus=corpus, threads=args.threads, muon_ns_dtype=args.muon_ns_dtype,
     )
     runner = Runner(work_dir, args.jobs, args.timeout, in_process=args.in_process)
+    if args.reuse:
+        print(f"Reused {reuse_runs(runner, args.reuse, corpus)} runs of {', '.join(args.reuse)}", flush=True)
     runs: list[dict[str, Any]] = []
 
     def tagged(results: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -159,3 +159,22 @@ def test_auto_runs_record_their_coefficients(bench, tmp_path):
     assert [row[0] for row in auto["auto_coefficient_curve"]] == [2, 4]
     summary = report["auto_coefficients"]["adamw"]
     assert summary["min"] <= summary["median"] <= summary["max"] and summary["tensors"] == len(names)
+
+
+def test_reuse_continues_a_protocol_from_its_report_in_another_work_dir(bench, tmp_path):
+    first = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "--lr-adamw", "3e-3",
+                        "--depths", "--momenta", "--out", str(tmp_path / "first.json"),
+                        "--work-dir", str(tmp_path / "a")])
+    assert first["runs_from_cache"] == 0
+    # Elsewhere (an empty work dir): the reported runs are not trained again, the new mode is.
+    second = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "delayed_corrected",
+                         "--lr-adamw", "3e-3", "--depths", "--momenta", "--out", str(tmp_path / "second.json"),
+                         "--work-dir", str(tmp_path / "b"), "--reuse", str(tmp_path / "first.json")])
+    assert second["runs_from_cache"] == 2 and second["unique_runs"] == 3
+    losses = {r["mode"]: r["final_val_loss"] for r in first["runs"]}
+    assert {r["mode"]: r["final_val_loss"] for r in second["runs"] if r["mode"] in losses} == losses
+    # Runs on another corpus are not taken.
+    other = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "--lr-adamw", "3e-3", "--depths",
+                        "--momenta", "--out", str(tmp_path / "third.json"), "--work-dir", str(tmp_path / "c"),
+                        "--corpus", str(tmp_path / "first.md"), "--reuse", str(tmp_path / "first.json")])
+    assert other["runs_from_cache"] == 0
