@@ -88,25 +88,46 @@ def flat_weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run_script(command: list[str], timeout: float, raise_on_timeout: bool = False) -> tuple[int, str]:
-    """Run a training script (which may start more processes) in a session of its own; on timeout kill
-    every process of it and fail the test (``raise_on_timeout``: raise ``TimeoutError``, outside pytest).
-    Returns the exit status and the combined output."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+def run_group(command: list, timeout: float, cwd=None, env: dict | None = None, merge_stderr: bool = False,
+              raise_on_timeout: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` for commands that start more processes (Lightning's
+    launcher, torchrun, spawn): the command runs in a session of its own, and every process of that session is
+    killed when the command returns or times out, so that no rank outlives the test. A timeout fails the test
+    (``raise_on_timeout``: raises ``TimeoutError``, outside pytest). ``merge_stderr``: stderr goes to stdout, in
+    the order written, and the result's ``stderr`` is empty."""
+    command = [str(c) for c in command]
+    stderr_to = subprocess.STDOUT if merge_stderr else subprocess.PIPE
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr_to, text=True, cwd=cwd, env=env,
                                start_new_session=True)
     try:
-        output, _ = process.communicate(timeout=timeout)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        message = f"{Path(command[1]).name} timed out after {timeout}s:\n{output[-4000:]}"
+        _kill_session(process.pid)
+        stdout, stderr = process.communicate()
+        stderr = stderr or ""
+        message = f"{' '.join(command[:3])} timed out after {timeout}s:\n{stdout[-4000:]}{stderr[-3000:]}"
         if raise_on_timeout:
             raise TimeoutError(message) from None
         import pytest
 
         pytest.fail(message)
-    return process.returncode, output
+    _kill_session(process.pid)  # a child that outlived its parent (an orphaned rank)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr or "")
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_script(command: list[str], timeout: float, raise_on_timeout: bool = False) -> tuple[int, str]:
+    """Run a training script (which may start more processes) with ``run_group``, with one intra-op thread per
+    process. Returns the exit status and the combined output."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    done = run_group(command, timeout, env=env, merge_stderr=True, raise_on_timeout=raise_on_timeout)
+    return done.returncode, done.stdout
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.checkpoint import read_index
-from helpers import fit, loader, random_batches, run_script, tiny_gpt
+from helpers import fit, loader, random_batches, run_group, run_script, tiny_gpt
 from pipeline_run import make_optimizer
 from test_pipeline_exactness import TIMEOUT, run_pipeline
 
@@ -163,8 +162,7 @@ def test_save_killed_midway_is_never_last(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(KILLED_SAVE.format(tests=str(Path(__file__).parent)))
     directory = tmp_path / "checkpoints"
-    result = subprocess.run([sys.executable, str(script), str(directory), "4"], capture_output=True, text=True,
-                            timeout=TIMEOUT)
+    result = run_group([sys.executable, script, directory, "4"], TIMEOUT)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     names = sorted(p.name for p in directory.iterdir())
     # step 4's save was killed after its shard was written: no `step=4` checkpoint, `last` is still step 2's.
@@ -196,7 +194,7 @@ def test_consolidated_checkpoint_gives_the_same_validation_loss(tmp_path):
     result, weights = run_pipeline(tmp_path / "run", 2, "2bw", 2, 4, "corrected_muon", "--save-checkpoint")
     out = tmp_path / "model.ckpt"
     command = [sys.executable, "-m", "lightning_async_pp", "consolidate", str(tmp_path / "run" / "final.ckpt"), str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    done = run_group(command, TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     consolidated = torch.load(out, weights_only=True)
     assert "optimizer_states" not in consolidated and consolidated["global_step"] == 4

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from helpers import run_script  # noqa: E402
+from helpers import run_group, run_script  # noqa: E402
 from hf_models import tiny_causal_lm, token_batches  # noqa: E402
 
 RUNNER = Path(__file__).parent / "hf_run.py"
@@ -31,7 +31,7 @@ TIMEOUT = 420
 
 def consolidate(checkpoint: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "lightning_async_pp", "consolidate", str(checkpoint), str(out), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    return run_group(command, TIMEOUT)
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2: tied head

@@ -1,13 +1,13 @@
 """The command line runs the quickstart config and TensorBoard receives every step."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers import run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "configs" / "quickstart.yaml"
@@ -22,7 +22,7 @@ def run_cli(tmp_path, *extra, timeout=240, launcher=(sys.executable,)):
         *extra,
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
+    result = run_group(command, timeout, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -165,7 +165,7 @@ def tiny_project(folder: Path) -> Path:
 
 def run_command(command, cwd, timeout=240):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    return run_group(command, timeout, cwd=cwd, env=env)
 
 
 def console_script() -> Path:

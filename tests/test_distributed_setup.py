@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from lightning_async_pp.distributed import is_loopback
+from helpers import run_group
 
 PROBE = textwrap.dedent(
     """
@@ -91,6 +92,6 @@ def test_torchrun_workers_join_the_agents_store(tmp_path):
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script),
     ]
     env = dict(os.environ, PROBE_OUT=str(tmp_path / "sum"))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    result = run_group(command, 120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(tmp_path / f"sum{rank}").read_text() for rank in (0, 1)] == ["3", "3"]

@@ -27,12 +27,12 @@ import contextlib
 import io
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -117,10 +117,7 @@ def test_python_snippets_run(page, tmp_path, monkeypatch):
         if block.script:
             path = tmp_path / "script.py"
             path.write_text(block.code)
-            result = subprocess.run(
-                [sys.executable, str(path), *block.args.split()], cwd=tmp_path, env=_env(),
-                capture_output=True, text=True, timeout=300,
-            )
+            result = run_group([sys.executable, str(path), *block.args.split()], 300, cwd=tmp_path, env=_env())
             assert result.returncode == 0, f"{block}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
         with contextlib.redirect_stdout(io.StringIO()):
             try:
@@ -136,10 +133,7 @@ def test_bash_snippets_run(page, tmp_path):
         pytest.skip(f"{page.name} has no runnable shell snippets")
     work = _workdir(tmp_path, page)
     for block in code_blocks:
-        result = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", block.code], cwd=work, env=_env(), capture_output=True, text=True,
-            timeout=300,
-        )
+        result = run_group(["bash", "-euo", "pipefail", "-c", block.code], 300, cwd=work, env=_env())
         assert result.returncode == 0, f"{block}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
 
 

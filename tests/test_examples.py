@@ -2,19 +2,18 @@
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+from helpers import run_group
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_model.py"
 
 
 def final_loss(tmp_path, devices: int) -> float:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--devices", str(devices), "--max-steps", "12"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
-    )
+    result = run_group([sys.executable, EXAMPLE, "--devices", devices, "--max-steps", "12"], 300, cwd=tmp_path,
+                       env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return float(re.search(r"final train/loss: ([0-9.]+)", result.stdout).group(1))
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,10 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_cpu_mode_passes_and_reports_every_check(tmp_path):
     out = tmp_path / "check.json"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=1200, cwd=ROOT,
-    )
+    done = run_group([sys.executable, ROOT / "scripts" / "gpu_check.py", "--cpu", "--out", out], 1200, cwd=ROOT,
+                     env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     report = json.loads(out.read_text())
     rows = report["results"]

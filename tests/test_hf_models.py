@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from helpers import fit, run_script  # noqa: E402
 from hf_models import adamw, plain_hf_training, sgd, tiny_causal_lm, token_batches  # noqa: E402

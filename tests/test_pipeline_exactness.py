@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import fit, random_batches, run_script, tiny_gpt
+from helpers import fit, random_batches, run_group, run_script, tiny_gpt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_run import make_optimizer  # noqa: E402
@@ -168,8 +167,8 @@ def test_spawn_start_method_returns_the_whole_trained_model():
     """With start_method="spawn" the main process gets every stage's trained weights back."""
     import re
 
-    output = subprocess.run([sys.executable, str(Path(__file__).parent / "spawn_run.py")], capture_output=True,
-                            text=True, timeout=TIMEOUT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    output = run_group([sys.executable, Path(__file__).parent / "spawn_run.py"], TIMEOUT,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert output.returncode == 0, output.stderr[-3000:]
     difference, moved = map(float, re.search(r"MAXDIFF (\S+) MOVED (\S+)", output.stdout).groups())
     assert moved > 1e-3 and difference < 1e-5
