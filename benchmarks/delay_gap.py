@@ -402,7 +402,10 @@ class Runner:
         self.timeout = timeout
         self.verbose = verbose
         self.in_process = in_process
-        self.from_cache = 0
+        # Keys of the runs read from the cache and of those trained here: a run trained in one phase (the
+        # learning-rate grid) and read back in a later one (the main table) counts as trained, once.
+        self.cached: set[str] = set()
+        self.trained: set[str] = set()
         work_dir.mkdir(parents=True, exist_ok=True)
 
     def result_path(self, spec: RunSpec) -> Path:
@@ -411,10 +414,11 @@ class Runner:
     def run_one(self, spec: RunSpec) -> dict[str, Any]:
         path = self.result_path(spec)
         if path.exists():
-            self.from_cache += 1
+            self.cached.add(spec.key())
             return {**json.loads(path.read_text()), "run_id": spec.key()}
         spec_path = self.work_dir / f"{spec.key()}.spec.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
+        self.trained.add(spec.key())
         if self.in_process and spec.devices == 1:
             worker_main(str(spec_path), str(path))
             return {**json.loads(path.read_text()), "run_id": spec.key()}
@@ -1190,7 +1194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unique = {r["run_id"]: r for r in runs}
     report["wall_s_total"] = round(time.perf_counter() - started, 1)
     report["unique_runs"] = len(unique)
-    report["runs_from_cache"] = runner.from_cache
+    report["runs_from_cache"] = len(runner.cached - runner.trained)
     report["run_seconds"] = round(sum(r["wall_s"] for r in unique.values()), 1)
     # Training throughput of the one-device runs (tokens = bytes), for estimating longer protocols.
     report["tokens_per_s"] = {

@@ -161,6 +161,18 @@ def test_auto_runs_record_their_coefficients(bench, tmp_path):
     assert summary["min"] <= summary["median"] <= summary["max"] and summary["tensors"] == len(names)
 
 
+def test_a_grid_run_read_back_by_the_main_table_counts_as_trained(bench, tmp_path):
+    # The synchronous run at the grid's best rate is the main table's synchronous run: trained once, read back
+    # once, and not counted as a run from the cache.
+    report = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "--lr-grid-adamw", "3e-3",
+                         "--no-delayed-best-lr", "--depths", "--momenta", "--out", str(tmp_path / "grid.json")])
+    assert report["unique_runs"] == 2 and report["runs_from_cache"] == 0
+    again = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "--lr-grid-adamw", "3e-3",
+                        "--no-delayed-best-lr", "--depths", "--momenta", "--out", str(tmp_path / "grid.json"),
+                        "--work-dir", str(tmp_path / "grid.runs")])
+    assert again["unique_runs"] == 2 and again["runs_from_cache"] == 2
+
+
 def test_reuse_continues_a_protocol_from_its_report_in_another_work_dir(bench, tmp_path):
     first = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "--lr-adamw", "3e-3",
                         "--depths", "--momenta", "--out", str(tmp_path / "first.json"),
