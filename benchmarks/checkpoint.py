@@ -163,9 +163,10 @@ def worker(args: argparse.Namespace) -> None:
                 begin = time.perf_counter()
                 with HeapPeak() as heap:
                     if method == "gather":
+                        # The gathered file holds every stage: each rank reads all of it to keep its own.
                         loaded = torch.load(path, weights_only=True)
-                        mine = loaded["async_pp"]["stages"][strategy.stage]
-                        del loaded, mine
+                        assert len(loaded["async_pp"]["stages"]) > strategy.stage, "the gathered file lacks this stage"
+                        del loaded
                     else:
                         index = sharded.read_index(path)
                         sharded.load_stage(path, index, state_dict=module.state_dict(), module=module,
