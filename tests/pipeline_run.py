@@ -11,6 +11,7 @@ stage's weights to ``DIR/weights_rank{R}.pt``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import global_batches, loader, random_batches, save_stage, tiny_gpt  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp.optim.muon import float32_newton_schulz  # noqa: E402
 
 
 def make_optimizer(name: str):
@@ -120,8 +122,15 @@ def main(argv=None) -> None:
     parser.add_argument("--lr-schedule", default="constant")
     parser.add_argument("--global-batches", type=int, default=None,
                         help="data for this many replicas: each replica reads its shard; one replica reads the union")
+    parser.add_argument("--muon-ns-float32", action="store_true",
+                        help="Muon's Newton-Schulz in float32 (results that do not depend on the CPU's bfloat16)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    with float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.accelerator == "cpu":
         torch.set_num_threads(1)
 

@@ -17,7 +17,10 @@ import torch
 from test_pipeline_exactness import run_pipeline
 
 STEPS, STOP, M = 24, 12, 4
-COMMON = ("--clip", "0.5", "--lr-schedule", "cosine", "--total-steps", str(STEPS))
+# Muon orthogonalizes in float32 here: in bfloat16 (torch's default) a rounding difference of another pipeline shape
+# can flip a bfloat16 rounding, and how often depends on the CPU's bfloat16 arithmetic (measured P2 -> P3: losses
+# 1.9e-5 apart on an AVX512-BF16 CPU, 1.3e-6 on another).
+COMMON = ("--clip", "0.5", "--lr-schedule", "cosine", "--total-steps", str(STEPS), "--muon-ns-float32")
 
 
 def _shape(devices: int, pipeline: int | None) -> tuple[str, ...]:
@@ -76,15 +79,15 @@ def test_resume_at_another_pipeline_shape(tmp_path, runs, save, resume, microbat
             assert torch.equal(resumed_weights[name], value), name
         return
     # Another P sums the clipping norm's per-stage parts in another order (P=1: Lightning's clipping formula; D: the
-    # gradients too), a difference of rounding. The losses agree to 1e-6 (measured). Muon orthogonalises in bfloat16, which
-    # turns such rounding differences into ~1e-4 differences of its matrices (measured: P2->P3 1.3e-6,
-    # P3->P1 2.6e-4); a lost or misplaced state (optimizer moments, previous update, w[t-1], schedule) moves the
-    # losses by 1e-3 or more within the 12 steps.
-    # Replicas also average the gradients in another order; through Muon the losses then drift to ~1e-5
-    # (measured: 8.6e-6, relative 1.5e-6, at the 9th resumed step).
-    loss_tolerance = 1e-5 if replicated else 1e-6
+    # gradients too), a difference of rounding: with Muon in float32 (COMMON) the losses agree to 4.8e-7 and the
+    # weights to 6.7e-6 (measured, every case). A lost or misplaced state (optimizer moments, previous update,
+    # w[t-1], schedule) moves the losses by 1e-3 or more within the 12 steps.
+    loss_tolerance = 2e-6
+    loss_diff = max(abs(a - b) for a, b in zip(resumed["losses"], straight["losses"][STOP:]))
+    weight_diff = max((resumed_weights[k] - v).abs().max().item() for k, v in straight_weights.items())
+    print(f"{save} -> {resume}: max |loss - straight| {loss_diff:.2e}, max |weight - straight| {weight_diff:.2e}")
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][STOP:]),
                                rtol=loss_tolerance, atol=loss_tolerance)
     assert sorted(resumed_weights) == sorted(straight_weights)
     for name, value in straight_weights.items():
-        torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=1e-3, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -459,3 +459,34 @@ def test_describe_routing_counts_both_parts_and_names_matrices_on_adamw():
     assert plain.routing()["muon_tensors"] == 1
     forced = Muon([{"params": [torch.nn.Parameter(torch.zeros(3, 3))], "use_muon": False}])
     assert forced.routing()["adamw_matrices"] == ["#0"]
+
+
+def test_float32_newton_schulz_is_close_to_torch_and_patches_only_inside_the_block():
+    import torch.optim._muon as torch_muon
+
+    from lightning_async_pp.optim.muon import float32_newton_schulz, newton_schulz_float32
+
+    coefficients = (3.4445, -4.775, 2.0315)
+    g = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+    ours = newton_schulz_float32(g, coefficients, 5, 1e-7)
+    theirs = torch_muon._zeropower_via_newtonschulz(g, coefficients, 5, 1e-7).float()
+    assert ours.shape == g.shape and ours.dtype == g.dtype
+    assert 0 < (ours - theirs).norm() / theirs.norm() < 0.05  # bfloat16 rounding is the difference
+
+    def step(param):
+        optimizer = Muon([("w", param)], lr=0.02, weight_decay=0.0)
+        param.grad = g.clone()
+        optimizer.step()
+        return param.detach().clone()
+
+    plain = step(torch.nn.Parameter(torch.zeros(48, 16)))
+    original = torch_muon._zeropower_via_newtonschulz
+    with float32_newton_schulz():
+        inside = step(torch.nn.Parameter(torch.zeros(48, 16)))
+    assert torch_muon._zeropower_via_newtonschulz is original
+    assert not torch.equal(inside, plain)
+    # Inside, the update points along the float32 orthogonalization (bfloat16's differs by ~1e-2 per element).
+    scale = inside.norm() / ours.norm()
+    torch.testing.assert_close(inside, -ours * scale, rtol=1e-4, atol=1e-7)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(plain, -ours * (plain.norm() / ours.norm()), rtol=1e-4, atol=1e-7)

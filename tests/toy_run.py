@@ -16,6 +16,7 @@ model's tied parameters to ``DIR/tied_rank{R}.pt``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from datetime import timedelta
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import loader, random_batches, run_script, save_stage  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from lightning_async_pp.optim.muon import float32_newton_schulz  # noqa: E402
 
 VOCAB, WIDTH = 256, 16
 
@@ -244,12 +246,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-at", type=int, default=None,
                         help="ModelCheckpoint saves DIR/at-{step}.ckpt after this many steps (and the run goes on)")
     parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    parser.add_argument("--muon-ns-float32", action="store_true",
+                        help="Muon's Newton-Schulz in float32 (results that do not depend on the CPU's bfloat16)")
     parser.add_argument("--out", required=True)
     return parser
 
 
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
+    with float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
+        _run(args)
+
+
+def _run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
 
     strategy = AsyncPipelineStrategy(

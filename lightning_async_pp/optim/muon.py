@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 
@@ -24,6 +25,42 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 """Names (``fnmatch`` patterns on the full dotted parameter name) that go to AdamW although they are 2-D:
 token/position embeddings and output heads in the usual naming schemes (nanoGPT, Hugging Face, timm, this
 project's demo GPT)."""
+
+
+def newton_schulz_float32(grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float) -> Tensor:
+    """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x.to(grad.dtype)
+
+
+@contextlib.contextmanager
+def float32_newton_schulz() -> Iterator[None]:
+    """Within the block, every :class:`torch.optim.Muon` step (and so :class:`Muon`'s) orthogonalizes in float32.
+
+    torch runs the Newton-Schulz iteration in bfloat16, whose rounding depends on the hardware's bfloat16
+    arithmetic: a float32 rounding difference in a gradient (another summation order of a clipping norm, say)
+    can flip a bfloat16 rounding and move an update by ~1e-4, by an amount that differs from one CPU to the
+    next. In float32 the same difference stays at float32 rounding. For studies and tests that compare runs
+    across machines or pipeline shapes; it is slower. Patches ``torch.optim._muon`` for the whole process while
+    the block runs.
+    """
+    import torch.optim._muon as torch_muon
+
+    original = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = newton_schulz_float32
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
 
 
 def _module_class(entry: str | type) -> type:
