@@ -87,8 +87,9 @@ def test_tied_model_resumes_at_another_pipeline_shape(tmp_path, uninterrupted, s
             assert torch.equal(weights[name], value), name
         return
     # Another P may add the clipping norm's per-stage parts in another order: rounding (measured, with Muon in
-    # float32: losses within 9.5e-7, two float32 steps at this loss, weights within 2.4e-7). A copy that resumes without its optimizer state or w[t-1] moves the losses by
-    # ~1e-2 within these 5 steps (measured: 1.6e-2 for P2 -> P3) and its copies apart.
+    # float32: losses within 9.5e-7, two float32 steps at this loss, weights within 2.4e-7). A copy that resumes
+    # without its optimizer state or w[t-1] moves the losses by ~1e-2 within these 5 steps (measured: 1.6e-2 for
+    # P2 -> P3) and its copies apart.
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(straight["losses"][STOP:]),
                                rtol=1e-6, atol=1e-6)
     for name, value in straight_weights.items():
