@@ -20,8 +20,13 @@ def machine_description() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def save_report(report: dict[str, Any], out: str | None) -> None:
@@ -34,8 +39,9 @@ def save_report(report: dict[str, Any], out: str | None) -> None:
         Path(out).write_text(json.dumps(report, indent=1))
 
 
-def run_ranks(command: list[str], envs: list[dict[str, str]], logs: list[Any], timeout: float,
-              cwd: str | None = None) -> int | None:
+def run_ranks(
+    command: list[str], envs: list[dict[str, str]], logs: list[Any], timeout: float, cwd: str | None = None
+) -> int | None:
     """Start one process of ``command`` per entry of ``envs`` at once, as torchrun does, and wait for them.
 
     The processes share one process group (the first one's), killed whole at the end, so a failed or timed-out
@@ -52,8 +58,16 @@ def run_ranks(command: list[str], envs: list[dict[str, str]], logs: list[Any], t
     deadline = time.perf_counter() + timeout
     try:
         for env, log in zip(envs, logs):
-            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                          process_group=0 if not procs else procs[0].pid))
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd,
+                    process_group=0 if not procs else procs[0].pid,
+                )
+            )
         while True:
             codes = [proc.poll() for proc in procs]
             failed = [c for c in codes if c not in (None, 0)]

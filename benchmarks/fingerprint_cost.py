@@ -1,8 +1,8 @@
 """Cost per step of the micro-batch fingerprint that guards the data order between stages.
 
-Each stage computes :func:`~lightning_async_pp.pipeline.fingerprint.fingerprint` of each of its ``M``
+Each stage computes :func:`~lightning_async_pp.runtime.fingerprint.fingerprint` of each of its ``M``
 micro-batches and (except the first) compares it with the one received
-(:class:`~lightning_async_pp.pipeline.fingerprint.FingerprintCheck`). This script times that work for one step,
+(:class:`~lightning_async_pp.runtime.fingerprint.FingerprintCheck`). This script times that work for one step,
 interleaved round by round with the forward and backward of one stage of the quickstart GPT (the first half of
 its layers, on the same micro-batches), and reports the medians and their ratio. A second case times the
 fingerprint of an image micro-batch (``--image-batch`` images of 3 x 224 x 224), whose cost depends on the
@@ -18,11 +18,11 @@ import statistics
 import time
 
 import torch
-
 from bench_common import machine_description, save_report
+
 from lightning_async_pp.demos import GPT
-from lightning_async_pp.pipeline.fingerprint import FingerprintCheck, fingerprint
-from lightning_async_pp.pipeline.microbatch import split_microbatches
+from lightning_async_pp.runtime.fingerprint import FingerprintCheck, fingerprint
+from lightning_async_pp.runtime.microbatch import split_microbatches
 
 
 def fingerprint_step(microbatches: list) -> None:

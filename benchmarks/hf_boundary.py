@@ -29,8 +29,14 @@ def measure(seq: int, hidden: int, heads: int, batch: int, repeats: int) -> dict
     from lightning_async_pp.models.hf import BatchContext, DecoderLayer
 
     config = AutoConfig.for_model(
-        "llama", hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads // 4, intermediate_size=64,
-        num_hidden_layers=1, vocab_size=32, max_position_embeddings=seq,
+        "llama",
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 4,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=32,
+        max_position_embeddings=seq,
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -57,7 +63,9 @@ def measure(seq: int, hidden: int, heads: int, batch: int, repeats: int) -> dict
 
     mask, (cos, sin) = rebuild(padded)
     return {
-        "seq": seq, "batch": batch, "hidden": hidden,
+        "seq": seq,
+        "batch": batch,
+        "hidden": hidden,
         "hidden_states_MiB": batch * seq * hidden * 2 / 2**20,
         "padding_mask_MiB": mask.numel() * mask.element_size() / 2**20,
         "rotary_MiB": (cos.numel() * cos.element_size() + sin.numel() * sin.element_size()) / 2**20,
@@ -79,8 +87,10 @@ def main(argv=None) -> None:
     rows = [measure(int(s), args.hidden, args.heads, args.batch, args.repeats) for s in args.seqs.split(",")]
     print(f"{'seq':>6} {'hidden MiB':>11} {'mask MiB':>9} {'rotary MiB':>11} {'rebuild ms':>11} {'padded ms':>10}")
     for r in rows:
-        print(f"{r['seq']:>6} {r['hidden_states_MiB']:>11.1f} {r['padding_mask_MiB']:>9.1f} {r['rotary_MiB']:>11.2f} "
-              f"{r['rebuild_ms_dense']:>11.3f} {r['rebuild_ms_padded']:>10.3f}")
+        print(
+            f"{r['seq']:>6} {r['hidden_states_MiB']:>11.1f} {r['padding_mask_MiB']:>9.1f} {r['rotary_MiB']:>11.2f} "
+            f"{r['rebuild_ms_dense']:>11.3f} {r['rebuild_ms_padded']:>10.3f}"
+        )
     report = {"machine": machine_description(), "rows": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -223,8 +223,10 @@ def run(
     shapes = gpt_shapes(vocab, width, blocks)
     n_params = sum(torch.Size(shape).numel() for _, shape in shapes)
     n_hidden = sum(torch.Size(shape).numel() for name, shape in shapes if is_hidden_matrix(name))
-    log(f"{n_params:,} parameters ({n_hidden:,} in hidden matrices), torch {torch.__version__},"
-        f" {torch.get_num_threads()} threads")
+    log(
+        f"{n_params:,} parameters ({n_hidden:,} in hidden matrices), torch {torch.__version__},"
+        f" {torch.get_num_threads()} threads"
+    )
 
     results: dict[str, dict[str, Any]] = {}
     samples: dict[str, list[float]] = {}
@@ -286,8 +288,10 @@ def run(
 
     log(f"{'variant':<16}{'median ms':>11}{'q25':>9}{'q75':>9}{'state MiB':>10}{'peak temp MiB':>15}")
     for name, r in results.items():
-        log(f"{name:<16}{r['median_ms']:>11.3f}{r['q25_ms']:>9.3f}{r['q75_ms']:>9.3f}"
-            f"{r['state_bytes'] / 2**20:>10.2f}{r['peak_temporary_bytes'] / 2**20:>15.2f}")
+        log(
+            f"{name:<16}{r['median_ms']:>11.3f}{r['q25_ms']:>9.3f}{r['q75_ms']:>9.3f}"
+            f"{r['state_bytes'] / 2**20:>10.2f}{r['peak_temporary_bytes'] / 2**20:>15.2f}"
+        )
     log(f"{'ratio':<22}{'of medians':>11}{'paired':>9}{'in step':>9}  target")
     for key, value in ratios.items():
         within = f"{in_step[key]:>9.3f}" if key in in_step else f"{'':>9}"

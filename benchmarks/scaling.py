@@ -1,9 +1,9 @@
 """Simulated scaling of 2BW against 1F1B and GPipe to pipelines deeper than one machine can run.
 
 For every ``P`` in ``--stages`` and ``M`` in ``{P, 2P, 4P}`` (``--multipliers``), the schedule simulator
-(:func:`lightning_async_pp.pipeline.simulate.simulate`) times the action lists that the runtime executes
-(:func:`~lightning_async_pp.pipeline.schedule.build_schedule` for ``"2bw"`` and ``"1f1b"``) and a GPipe
-list built here from the same :class:`~lightning_async_pp.pipeline.schedule.Action` objects (all forwards of
+(:func:`lightning_async_pp.schedule.simulate.simulate`) times the action lists that the runtime executes
+(:func:`~lightning_async_pp.schedule.build_schedule` for ``"2bw"`` and ``"1f1b"``) and a GPipe
+list built here from the same :class:`~lightning_async_pp.schedule.Action` objects (all forwards of
 a step, then all backwards, then the update). Every stage costs ``forward`` per micro-batch forward and
 ``backward_ratio * forward`` per backward (default 2), plus ``transfer`` between stages.
 
@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_async_pp.pipeline.schedule import Action, Op, Schedule, build_schedule
-from lightning_async_pp.pipeline.simulate import SimulationResult, StageCosts, simulate
+from lightning_async_pp.schedule import Action, Op, Schedule, build_schedule
+from lightning_async_pp.schedule.simulate import SimulationResult, StageCosts, simulate
 
 KINDS = ("2bw", "1f1b", "gpipe")
 
@@ -80,18 +80,20 @@ def scaling_table(
             M = k * P
             results = {kind: simulate_kind(kind, P, M, costs, transfer, num_steps) for kind in KINDS}
             tput = {kind: r.steady_throughput for kind, r in results.items()}
-            rows.append({
-                "num_stages": P,
-                "num_microbatches": M,
-                "steady_microbatches_per_time": tput,
-                "2bw_vs_1f1b": tput["2bw"] / tput["1f1b"],
-                "2bw_vs_gpipe": tput["2bw"] / tput["gpipe"],
-                "bubble_model": (M + P - 1) / M,
-                "bubble_fraction": {kind: max(r.steady_bubble_fraction) for kind, r in results.items()},
-                # stage 0 stashes the most activations; every stage holds the same number of versions
-                "weight_versions": {kind: max(r.peak_versions_alive) for kind, r in results.items()},
-                "peak_in_flight_microbatches": {kind: max(r.peak_in_flight) for kind, r in results.items()},
-            })
+            rows.append(
+                {
+                    "num_stages": P,
+                    "num_microbatches": M,
+                    "steady_microbatches_per_time": tput,
+                    "2bw_vs_1f1b": tput["2bw"] / tput["1f1b"],
+                    "2bw_vs_gpipe": tput["2bw"] / tput["gpipe"],
+                    "bubble_model": (M + P - 1) / M,
+                    "bubble_fraction": {kind: max(r.steady_bubble_fraction) for kind, r in results.items()},
+                    # stage 0 stashes the most activations; every stage holds the same number of versions
+                    "weight_versions": {kind: max(r.peak_versions_alive) for kind, r in results.items()},
+                    "peak_in_flight_microbatches": {kind: max(r.peak_in_flight) for kind, r in results.items()},
+                }
+            )
     return rows
 
 
@@ -139,7 +141,11 @@ def _draw_window(ax, result: SimulationResult, lo: float, span: float, step: int
             color = dark if ev.action.step == step else light
             ax.broken_barh([(a - lo, b - a)], (s - 0.4, 0.8), facecolors=color, edgecolor="k", linewidth=0.6)
             if b - a >= 0.6 * (ev.end - ev.start):
-                label = f"U{ev.action.step}" if ev.action.op is Op.UPDATE else f"{ev.action.op.value}{ev.action.global_microbatch}"
+                label = (
+                    f"U{ev.action.step}"
+                    if ev.action.op is Op.UPDATE
+                    else f"{ev.action.op.value}{ev.action.global_microbatch}"
+                )
                 ax.text((a + b) / 2 - lo, s, label, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, span)
     ax.set_ylim(P - 0.5, -0.5)
@@ -147,7 +153,9 @@ def _draw_window(ax, result: SimulationResult, lo: float, span: float, step: int
 
 
 def timeline_figure(
-    num_stages: int = 4, num_microbatches: int = 8, costs: StageCosts = StageCosts(forward=1.0, backward=2.0),
+    num_stages: int = 4,
+    num_microbatches: int = 8,
+    costs: StageCosts = StageCosts(forward=1.0, backward=2.0),
     transfer: float = 0.0,
 ):
     """Matplotlib figure: one steady-state step of 1F1B (top) and of 2BW (bottom), on the same time scale.
@@ -179,12 +187,19 @@ def timeline_figure(
     ):
         _draw_window(ax, result, lo, span, step)
         idle = 1.0 - work / (hi - lo)
-        ax.set_title(f"{name}: P={P}, M={M}; one step every {hi - lo:g} time units, each stage idle {100 * idle:.0f}%",
-                     fontsize=10, loc="left")
-    axes[1].set_xlabel(f"time since the step started on stage 0 (forward = {costs.forward:g}, "
-                       f"backward = {costs.backward:g} per micro-batch)")
-    handles = [Patch(facecolor=_COLORS[op][1], edgecolor="k", label=label)
-               for op, label in ((Op.FORWARD, "forward"), (Op.BACKWARD, "backward"), (Op.UPDATE, "update"))]
+        ax.set_title(
+            f"{name}: P={P}, M={M}; one step every {hi - lo:g} time units, each stage idle {100 * idle:.0f}%",
+            fontsize=10,
+            loc="left",
+        )
+    axes[1].set_xlabel(
+        f"time since the step started on stage 0 (forward = {costs.forward:g}, "
+        f"backward = {costs.backward:g} per micro-batch)"
+    )
+    handles = [
+        Patch(facecolor=_COLORS[op][1], edgecolor="k", label=label)
+        for op, label in ((Op.FORWARD, "forward"), (Op.BACKWARD, "backward"), (Op.UPDATE, "update"))
+    ]
     handles.append(Patch(facecolor="#dddddd", edgecolor="k", label="(light: other steps)"))
     fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
@@ -225,8 +240,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     rows = scaling_table(args.stages, args.multipliers, costs, args.transfer, args.steps)
     report = {
-        "costs": {"forward": costs.forward, "backward": costs.backward, "update": costs.update,
-                  "transfer": args.transfer},
+        "costs": {
+            "forward": costs.forward,
+            "backward": costs.backward,
+            "update": costs.update,
+            "transfer": args.transfer,
+        },
         "steps": args.steps,
         "rows": rows,
         "seconds": time.perf_counter() - started,

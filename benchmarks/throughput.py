@@ -35,7 +35,7 @@ reports:
 The reported value of each variant is the median over repetitions; ratios against ``torch_1f1b`` are given
 as ratios of medians and as the median of per-repetition ratios ("paired"). With ``--simulate`` (on by
 default), each async variant's measured per-stage forward/backward/update costs and the transfer latency
-read from its Chrome trace are fed to :func:`lightning_async_pp.pipeline.simulate.simulate`, and the
+read from its Chrome trace are fed to :func:`lightning_async_pp.schedule.simulate.simulate`, and the
 predicted tokens/s is reported next to the measured one.
 
 Usage::
@@ -79,8 +79,18 @@ TARGETS = {
     "memory_2bw": "peak heap per stage <= async_pp_1f1b's + one copy of the stage's weights",
     "memory_2bw_dc": "peak heap per stage <= async_pp_1f1b's + two copies of the stage's weights",
 }
-ENV_DROP = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK",
-            "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "BENCH_RANK")
+ENV_DROP = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "WORLD_SIZE",
+    "GLOBAL_RANK",
+    "RANK",
+    "LOCAL_WORLD_SIZE",
+    "PL_GLOBAL_SEED",
+    "BENCH_RANK",
+)
 
 
 # ------------------------------------------------------------------------------------------ configuration
@@ -94,15 +104,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (split into M micro-batches)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 5, quick 3)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20, quick 10)")
-    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
-                        help="gpu: one GPU per pipeline process, NCCL (used by scripts/gpu_check.py)")
+    parser.add_argument(
+        "--accelerator",
+        default="cpu",
+        choices=["cpu", "gpu"],
+        help="gpu: one GPU per pipeline process, NCCL (used by scripts/gpu_check.py)",
+    )
 
 
 def build_model(args: argparse.Namespace):
     from lightning_async_pp.demos import GPT
 
     return GPT(
-        vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width,
+        vocab_size=256,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.width,
         lr_schedule="constant",
     )
 
@@ -118,7 +136,7 @@ def make_batches(args: argparse.Namespace, seed: int = 0):
 
 def split_points(args: argparse.Namespace, num_stages: int) -> list[int]:
     """Stage boundaries balanced by parameter count (the strategy's default), shared by every variant."""
-    from lightning_async_pp.pipeline.partition import balanced_partition, count_parameters
+    from lightning_async_pp.schedule.partition import balanced_partition, count_parameters
 
     model = build_model(args)
     starts = balanced_partition([count_parameters(layer) for layer in model.pipeline_layers()], num_stages)
@@ -144,8 +162,21 @@ class HeapPeak:
         import ctypes
 
         class _MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
 
         try:
             libc = ctypes.CDLL("libc.so.6")
@@ -242,9 +273,17 @@ def _trainer(devices: int, strategy: Any, clock: Any, args: argparse.Namespace):
     from lightning.pytorch import Trainer
 
     return Trainer(
-        accelerator=args.accelerator, devices=devices, strategy=strategy, max_steps=args.warmup + args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clock],
+        accelerator=args.accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
     )
 
 
@@ -266,11 +305,12 @@ def _lightning_worker(args: argparse.Namespace) -> None:
 
         model.optimizer_factory = lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
     strategy = AsyncPipelineStrategy(
-        schedule="2bw" if "2bw" in name else "1f1b", num_microbatches=args.microbatches,
+        schedule="2bw" if "2bw" in name else "1f1b",
+        num_microbatches=args.microbatches,
         split_points=[int(x) for x in args.split_points.split(",")],
         trace_dir=str(Path(args.result_dir) / "trace") if args.trace else None,
     )
-    from lightning_async_pp.pipeline.runtime import StageRuntime
+    from lightning_async_pp.runtime.stage import StageRuntime
 
     for method in ("_forward", "_backward", "_apply_update"):
         setattr(StageRuntime, method, HEAP.wrap(getattr(StageRuntime, method)))
@@ -280,8 +320,13 @@ def _lightning_worker(args: argparse.Namespace) -> None:
     rank = trainer.global_rank
     params = [p for p in model.parameters() if p.requires_grad and not p.is_meta]
     record: dict[str, Any] = {
-        "rank": rank, "stage": strategy.stage, "ends": clock.ends, "peak_rss_mb": peak_rss_mb(), "peak_heap_mb": HEAP.mb(),
-        "stage_weight_mb": sum(p.numel() * p.element_size() for p in params) / 2**20, "peak_gpu_mb": _peak_gpu_mb(args),
+        "rank": rank,
+        "stage": strategy.stage,
+        "ends": clock.ends,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_heap_mb": HEAP.mb(),
+        "stage_weight_mb": sum(p.numel() * p.element_size() for p in params) / 2**20,
+        "peak_gpu_mb": _peak_gpu_mb(args),
     }
     if rank == 0:
         record["stage_stats"] = {str(s): [asdict(r) for r in records] for s, records in strategy.stage_stats.items()}
@@ -370,8 +415,13 @@ def _torch_pipeline_worker(args: argparse.Namespace) -> None:
         ends.append(time.perf_counter())
         busy_per_step.append(busy.total - before)
     record = {
-        "rank": rank, "stage": stage_index, "ends": ends, "busy": busy_per_step, "peak_rss_mb": peak_rss_mb(),
-        "peak_heap_mb": HEAP.mb(), "peak_gpu_mb": _peak_gpu_mb(args),
+        "rank": rank,
+        "stage": stage_index,
+        "ends": ends,
+        "busy": busy_per_step,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_heap_mb": HEAP.mb(),
+        "peak_gpu_mb": _peak_gpu_mb(args),
         "stage_weight_mb": sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20,
     }
     _write(Path(args.result_dir) / f"rank{rank}.json", record)
@@ -395,8 +445,15 @@ def _single_process_worker(args: argparse.Namespace) -> None:
         ends.append(time.perf_counter())
     busy = [b - a for a, b in zip([ends[0], *ends], ends)]
     weight_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    record = {"rank": 0, "stage": 0, "ends": ends, "busy": busy, "peak_rss_mb": peak_rss_mb(), "peak_heap_mb": HEAP.mb(),
-              "stage_weight_mb": weight_mb}
+    record = {
+        "rank": 0,
+        "stage": 0,
+        "ends": ends,
+        "busy": busy,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_heap_mb": HEAP.mb(),
+        "stage_weight_mb": weight_mb,
+    }
     _write(Path(args.result_dir) / "rank0.json", record)
 
 
@@ -410,17 +467,45 @@ def _free_port() -> int:
 
 
 def run_job(
-    name: str, num_stages: int, num_microbatches: int, args: argparse.Namespace, splits: Sequence[int], workdir: Path,
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    args: argparse.Namespace,
+    splits: Sequence[int],
+    workdir: Path,
     timeout: float,
 ) -> dict[str, Any]:
     """Run one repetition of one variant as a subprocess; return its measurements (``error`` on failure)."""
     result_dir = workdir / f"{name}_P{num_stages}_M{num_microbatches}_{time.monotonic_ns()}"
     command = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", name, "--stages", str(num_stages),
-        "--microbatches", str(num_microbatches), "--split-points", ",".join(map(str, splits)),
-        "--result-dir", str(result_dir), "--width", str(args.width), "--layers", str(args.layers),
-        "--heads", str(args.heads), "--seq", str(args.seq), "--batch-size", str(args.batch_size),
-        "--warmup", str(args.warmup), "--steps", str(args.steps), "--accelerator", args.accelerator,
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--stages",
+        str(num_stages),
+        "--microbatches",
+        str(num_microbatches),
+        "--split-points",
+        ",".join(map(str, splits)),
+        "--result-dir",
+        str(result_dir),
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--seq",
+        str(args.seq),
+        "--batch-size",
+        str(args.batch_size),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--accelerator",
+        args.accelerator,
     ]
     if name in ASYNC_VARIANTS and args.simulate:
         command.append("--trace")
@@ -469,9 +554,14 @@ def summarize_job(name: str, records: list[dict], args: argparse.Namespace, num_
     for record in by_stage:
         ends = record["ends"]
         window = ends[W + N - 1] - ends[W - 1]
-        entry = {"stage": record["stage"], "window_s": window, "peak_rss_mb": record["peak_rss_mb"],
-                 "peak_heap_mb": record.get("peak_heap_mb"), "stage_weight_mb": record["stage_weight_mb"],
-                 "peak_gpu_mb": record.get("peak_gpu_mb")}
+        entry = {
+            "stage": record["stage"],
+            "window_s": window,
+            "peak_rss_mb": record["peak_rss_mb"],
+            "peak_heap_mb": record.get("peak_heap_mb"),
+            "stage_weight_mb": record["stage_weight_mb"],
+            "peak_gpu_mb": record.get("peak_gpu_mb"),
+        }
         if stats is not None:
             steps = [s for s in stats[str(record["stage"])] if W <= s["step"] < W + N]
             busy = sum(s["forward"] + s["backward"] + s["update"] for s in steps)
@@ -489,8 +579,11 @@ def summarize_job(name: str, records: list[dict], args: argparse.Namespace, num_
             entry["bubble_fraction"] = entry["idle_s"] / window
         stages.append(entry)
     last = stages[-1]
-    return {"tokens_per_sec": tokens_per_step * N / last["window_s"], "step_ms": 1e3 * last["window_s"] / N,
-            "stages": stages}
+    return {
+        "tokens_per_sec": tokens_per_step * N / last["window_s"],
+        "step_ms": 1e3 * last["window_s"] / N,
+        "stages": stages,
+    }
 
 
 # ------------------------------------------------------------------------------------------ simulator check
@@ -504,7 +597,7 @@ def _trace_events(trace_path: str | Path) -> list[tuple[int, str, int, float, fl
             continue
         body = e["name"].lstrip("0123456789")
         op = body.rstrip("0123456789")
-        out.append((e["tid"], op, int(body[len(op):]), e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
+        out.append((e["tid"], op, int(body[len(op) :]), e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
     return out
 
 
@@ -552,11 +645,18 @@ def trace_step_overhead(trace_path: str | Path, num_microbatches: int, first_ste
     return out
 
 
-def simulate_job(name: str, measured: dict[str, Any], num_stages: int, num_microbatches: int,
-                 args: argparse.Namespace, transfer: float, step_overhead: Sequence[float] | float = 0.0) -> float:
+def simulate_job(
+    name: str,
+    measured: dict[str, Any],
+    num_stages: int,
+    num_microbatches: int,
+    args: argparse.Namespace,
+    transfer: float,
+    step_overhead: Sequence[float] | float = 0.0,
+) -> float:
     """Tokens/s the schedule simulator predicts from a job's measured per-stage costs."""
-    from lightning_async_pp.pipeline.schedule import build_schedule
-    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+    from lightning_async_pp.schedule import build_schedule
+    from lightning_async_pp.schedule.simulate import StageCosts, simulate
 
     costs = [
         StageCosts(forward=s["forward_s_per_mb"], backward=s["backward_s_per_mb"], update=s["update_s_per_step"])
@@ -569,23 +669,34 @@ def simulate_job(name: str, measured: dict[str, Any], num_stages: int, num_micro
     return result.steady_throughput * tokens_per_microbatch
 
 
-def replay_job(name: str, trace_path: str | Path, num_stages: int, num_microbatches: int, args: argparse.Namespace,
-               transfer: float, step_overhead: Sequence[float]) -> float:
+def replay_job(
+    name: str,
+    trace_path: str | Path,
+    num_stages: int,
+    num_microbatches: int,
+    args: argparse.Namespace,
+    transfer: float,
+    step_overhead: Sequence[float],
+) -> float:
     """Tokens/s of the simulator fed every action's *measured* duration from a job's trace (a replay).
 
     Same timed window as the measurement (the end of the last stage's update of the last warm-up step to that
     of the last step). Where it matches the measured tokens/s, the run is fully explained by its compute
     times, its host time between steps and the schedule's dependencies: no wait the engine adds on its own.
     """
-    from lightning_async_pp.pipeline.schedule import Op, build_schedule
-    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+    from lightning_async_pp.schedule import Op, build_schedule
+    from lightning_async_pp.schedule.simulate import StageCosts, simulate
 
-    durations = {f"{stage}{op}{index}": end - start for stage, op, index, start, end in _trace_events(trace_path)
-                 if op in ("F", "B", "U", "SF", "SB")}
+    durations = {
+        f"{stage}{op}{index}": end - start
+        for stage, op, index, start, end in _trace_events(trace_path)
+        if op in ("F", "B", "U", "SF", "SB")
+    }
     kind = "2bw" if "2bw" in name else "1f1b"
     schedule = build_schedule(kind, num_stages, num_microbatches, args.warmup + args.steps)
-    result = simulate(schedule, StageCosts(0.0, 0.0), transfer=transfer, step_overhead=step_overhead,
-                      durations=durations)
+    result = simulate(
+        schedule, StageCosts(0.0, 0.0), transfer=transfer, step_overhead=step_overhead, durations=durations
+    )
     updates = {ev.action.step: ev.end for ev in result.timelines[-1] if ev.action.op is Op.UPDATE}
     window = updates[args.warmup + args.steps - 1] - updates[args.warmup - 1]
     return args.batch_size * args.seq * args.steps / window
@@ -648,15 +759,20 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
         jobs.append((OVERHEAD_JOB, 1, 1))
     oversubscribed = [p for p in splits if p > (os.cpu_count() or 1)]
     if oversubscribed:
-        print(f"NOTE: P={oversubscribed} runs more single-threaded processes than this machine has cores "
-              f"({os.cpu_count()}): those numbers measure oversubscription as much as the schedules.", flush=True)
+        print(
+            f"NOTE: P={oversubscribed} runs more single-threaded processes than this machine has cores "
+            f"({os.cpu_count()}): those numbers measure oversubscription as much as the schedules.",
+            flush=True,
+        )
     workdir = Path(tempfile.mkdtemp(prefix="async_pp_bench_"))
     raw: dict[tuple[str, int, int], list[dict]] = {job: [] for job in jobs}
     errors = []
     started = time.perf_counter()
     machine_before = machine_state()
-    print(f"{len(jobs)} jobs x {args.repeats} repetitions, interleaved; load average {machine_before['loadavg']}",
-          flush=True)
+    print(
+        f"{len(jobs)} jobs x {args.repeats} repetitions, interleaved; load average {machine_before['loadavg']}",
+        flush=True,
+    )
     for rep in range(args.repeats):
         for job in jobs:
             name, p, m = job
@@ -671,16 +787,20 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
                 shown = ", ".join(f"{k} {statistics.mean(v):.0f}" for k, v in result["tokens_per_sec"].items())
             else:
                 shown = f"{result['tokens_per_sec']:9.0f}"
-            print(f"  rep {rep} {name:20s} P={p} M={m}: {shown} tokens/s ({result['job_seconds']:.1f}s job)",
-                  flush=True)
+            print(
+                f"  rep {rep} {name:20s} P={p} M={m}: {shown} tokens/s ({result['job_seconds']:.1f}s job)", flush=True
+            )
     results = aggregate(raw, args)
     report = {
         "config": {
-            "model": {"width": args.width, "blocks": args.layers, "heads": args.heads, "seq": args.seq,
-                      "vocab": 256},
-            "batch_size": args.batch_size, "warmup_steps": args.warmup, "timed_steps": args.steps,
-            "repeats": args.repeats, "split_points": {str(p): s for p, s in splits.items()},
-            "threads_per_pipeline_process": 1, "optimizer": "AdamW(lr=1e-3, weight_decay=0.1)",
+            "model": {"width": args.width, "blocks": args.layers, "heads": args.heads, "seq": args.seq, "vocab": 256},
+            "batch_size": args.batch_size,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "repeats": args.repeats,
+            "split_points": {str(p): s for p, s in splits.items()},
+            "threads_per_pipeline_process": 1,
+            "optimizer": "AdamW(lr=1e-3, weight_decay=0.1)",
             "quick": args.quick,
         },
         "machine": {"before": machine_before, "after": machine_state()},
@@ -721,7 +841,9 @@ def aggregate(raw: dict[tuple[str, int, int], list[dict]], args: argparse.Namesp
         steps = args.steps
         busy, idle = per_stage("busy_s"), per_stage("idle_s")
         entry = {
-            "name": name, "num_stages": p, "num_microbatches": None if name == "single_process" else m,
+            "name": name,
+            "num_stages": p,
+            "num_microbatches": None if name == "single_process" else m,
             "repetitions": len(reps),
             "tokens_per_sec": _median([r["tokens_per_sec"] for r in reps]),
             "tokens_per_sec_all": [r["tokens_per_sec"] for r in reps],
@@ -747,10 +869,21 @@ def _overhead_results(reps: list[dict]) -> list[dict[str, Any]]:
     out = []
     for name in OVERHEAD_VARIANTS:
         values = [v for r in reps for v in r["tokens_per_sec"][name]]
-        out.append({"name": name, "num_stages": 1, "num_microbatches": 1, "repetitions": len(values),
-                    "tokens_per_sec": _median(values), "tokens_per_sec_all": values, "threads": 1})
-    paired = [statistics.mean(r["tokens_per_sec"]["p1_async_pp_1f1b"]) / statistics.mean(r["tokens_per_sec"]["p1_lightning"])
-              for r in reps]
+        out.append(
+            {
+                "name": name,
+                "num_stages": 1,
+                "num_microbatches": 1,
+                "repetitions": len(values),
+                "tokens_per_sec": _median(values),
+                "tokens_per_sec_all": values,
+                "threads": 1,
+            }
+        )
+    paired = [
+        statistics.mean(r["tokens_per_sec"]["p1_async_pp_1f1b"]) / statistics.mean(r["tokens_per_sec"]["p1_lightning"])
+        for r in reps
+    ]
     out[0]["paired_ratio_vs_p1_lightning"] = _median(paired)
     return out
 
@@ -765,7 +898,9 @@ def _find(results, name, p, m=None):
 def ratios(results: list[dict], raw: dict) -> list[dict[str, Any]]:
     """Per (P, M): each variant's tokens/s over torch_1f1b's (ratio of medians, and paired by repetition)."""
     out = []
-    configs = sorted({(r["num_stages"], r["num_microbatches"]) for r in results if r["num_microbatches"] and r["num_stages"] > 1})
+    configs = sorted(
+        {(r["num_stages"], r["num_microbatches"]) for r in results if r["num_microbatches"] and r["num_stages"] > 1}
+    )
     for p, m in configs:
         base = _find(results, BASELINE, p, m)
         base_reps = {r["rep"]: r["tokens_per_sec"] for r in raw.get((BASELINE, p, m), [])}
@@ -788,18 +923,23 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
     if row is not None:
         if "async_pp_2bw" in row:
             value = row["async_pp_2bw"]["ratio"]
-            out["async_pp_2bw_vs_torch_1f1b"] = {"value": value, "target": TARGETS["async_pp_2bw_vs_torch_1f1b"],
-                                                 "met": value >= 1.15}
+            out["async_pp_2bw_vs_torch_1f1b"] = {
+                "value": value,
+                "target": TARGETS["async_pp_2bw_vs_torch_1f1b"],
+                "met": value >= 1.15,
+            }
         if "async_pp_1f1b" in row:
             value = row["async_pp_1f1b"]["ratio"]
-            out["async_pp_1f1b_vs_torch_1f1b"] = {"value": value, "target": TARGETS["async_pp_1f1b_vs_torch_1f1b"],
-                                                  "met": 0.95 <= value <= 1.05}
+            out["async_pp_1f1b_vs_torch_1f1b"] = {
+                "value": value,
+                "target": TARGETS["async_pp_1f1b_vs_torch_1f1b"],
+                "met": 0.95 <= value <= 1.05,
+            }
     ours, plain = _find(results, "p1_async_pp_1f1b", 1), _find(results, "p1_lightning", 1)
     if ours and plain:
         value = ours["tokens_per_sec"] / plain["tokens_per_sec"]
         paired = ours["paired_ratio_vs_p1_lightning"]
-        out["p1_overhead"] = {"value": value, "paired": paired, "target": TARGETS["p1_overhead"],
-                              "met": paired >= 0.95}
+        out["p1_overhead"] = {"value": value, "paired": paired, "target": TARGETS["p1_overhead"], "met": paired >= 0.95}
     one = _find(results, "async_pp_1f1b", 2, 4)
     for name, copies, key in (("async_pp_2bw", 1, "memory_2bw"), (CORRECTED_VARIANT, 2, "memory_2bw_dc")):
         two = _find(results, name, 2, 4)
@@ -809,8 +949,13 @@ def check_targets(report: dict[str, Any]) -> dict[str, Any]:
             excess = [a - b for a, b in zip(two[key_mb], one[key_mb])]
             # + HEAP_SLACK_MB: the extra tensors' own bookkeeping (Python objects, allocator headers).
             allowed = [copies * w + HEAP_SLACK_MB for w in two["stage_weight_mb"]]
-            out[key] = {"measure": key_mb, "excess_mb_per_stage": excess, "allowed_mb_per_stage": allowed,
-                        "target": TARGETS[key], "met": all(e <= a for e, a in zip(excess, allowed))}
+            out[key] = {
+                "measure": key_mb,
+                "excess_mb_per_stage": excess,
+                "allowed_mb_per_stage": allowed,
+                "target": TARGETS[key],
+                "met": all(e <= a for e, a in zip(excess, allowed)),
+            }
     return out
 
 
@@ -843,20 +988,28 @@ def simulator_check(raw: dict, args: argparse.Namespace) -> list[dict[str, Any]]
             bare.append(simulate_job(name, rep, p, m, args, transfer))
         measured = _median([r["tokens_per_sec"] for r in reps])
         prediction = _median(predicted)
-        out.append({
-            "name": name, "num_stages": p, "num_microbatches": m, "measured_tokens_per_sec": measured,
-            "simulated_tokens_per_sec": prediction, "relative_error": prediction / measured - 1.0,
-            "schedule_only_tokens_per_sec": _median(bare),
-            "replayed_tokens_per_sec": _median(replayed) if replayed else None,
-            "transfer_ms": 1e3 * _median(transfers),
-            "step_overhead_ms": [1e3 * _median([o[s] for o in overheads]) for s in range(p)],
-            "costs_ms": [
-                {"forward_per_mb": 1e3 * _median([r["stages"][s]["forward_s_per_mb"] for r in reps]),
-                 "backward_per_mb": 1e3 * _median([r["stages"][s]["backward_s_per_mb"] for r in reps]),
-                 "update_per_step": 1e3 * _median([r["stages"][s]["update_s_per_step"] for r in reps])}
-                for s in range(p)
-            ],
-        })
+        out.append(
+            {
+                "name": name,
+                "num_stages": p,
+                "num_microbatches": m,
+                "measured_tokens_per_sec": measured,
+                "simulated_tokens_per_sec": prediction,
+                "relative_error": prediction / measured - 1.0,
+                "schedule_only_tokens_per_sec": _median(bare),
+                "replayed_tokens_per_sec": _median(replayed) if replayed else None,
+                "transfer_ms": 1e3 * _median(transfers),
+                "step_overhead_ms": [1e3 * _median([o[s] for o in overheads]) for s in range(p)],
+                "costs_ms": [
+                    {
+                        "forward_per_mb": 1e3 * _median([r["stages"][s]["forward_s_per_mb"] for r in reps]),
+                        "backward_per_mb": 1e3 * _median([r["stages"][s]["backward_s_per_mb"] for r in reps]),
+                        "update_per_step": 1e3 * _median([r["stages"][s]["update_s_per_step"] for r in reps]),
+                    }
+                    for s in range(p)
+                ],
+            }
+        )
     return out
 
 
@@ -877,13 +1030,19 @@ def format_report(report: dict[str, Any]) -> str:
         f"interleaved repetitions; 1 thread per pipeline process"
     )
     before, after = report["machine"]["before"], report["machine"]["after"]
-    lines.append(f"machine: {before['cpu']}, {before['cores']} cores; load average before {before['loadavg']}, "
-                 f"after {after['loadavg']}")
+    lines.append(
+        f"machine: {before['cpu']}, {before['cores']} cores; load average before {before['loadavg']}, "
+        f"after {after['loadavg']}"
+    )
     if report["oversubscribed_stage_counts"]:
-        lines.append(f"NOTE: P={report['oversubscribed_stage_counts']} oversubscribes the {before['cores']} cores "
-                     "(one process per stage): those rows measure oversubscription as much as the schedule.")
-    header = (f"{'P':>2} {'M':>2} {'variant':20s} {'tokens/s':>9} {'vs 1f1b':>8} {'paired':>7} "
-              f"{'bubble/stage':>14} {'busy ms/step':>14} {'idle ms/step':>14} {'peak RSS MB/stage':>18} {'heap MB/stage':>14}")
+        lines.append(
+            f"NOTE: P={report['oversubscribed_stage_counts']} oversubscribes the {before['cores']} cores "
+            "(one process per stage): those rows measure oversubscription as much as the schedule."
+        )
+    header = (
+        f"{'P':>2} {'M':>2} {'variant':20s} {'tokens/s':>9} {'vs 1f1b':>8} {'paired':>7} "
+        f"{'bubble/stage':>14} {'busy ms/step':>14} {'idle ms/step':>14} {'peak RSS MB/stage':>18} {'heap MB/stage':>14}"
+    )
     lines.append(header)
     lines.append("-" * len(header))
     rows = {(r["num_stages"], r["num_microbatches"]): r for r in report["ratios_vs_torch_1f1b"]}
@@ -904,15 +1063,19 @@ def format_report(report: dict[str, Any]) -> str:
             )
     ours, plain = _find(report["results"], "p1_async_pp_1f1b", 1), _find(report["results"], "p1_lightning", 1)
     if ours and plain:
-        lines.append(f"P=1 overhead (1 thread, whole batch, {ours['repetitions']} fits each, ABBA in one process): "
-                     f"strategy '1f1b' {ours['tokens_per_sec']:.0f} tokens/s, plain Lightning "
-                     f"{plain['tokens_per_sec']:.0f} tokens/s, ratio {ours['tokens_per_sec'] / plain['tokens_per_sec']:.3f} "
-                     f"(paired {ours['paired_ratio_vs_p1_lightning']:.3f})")
+        lines.append(
+            f"P=1 overhead (1 thread, whole batch, {ours['repetitions']} fits each, ABBA in one process): "
+            f"strategy '1f1b' {ours['tokens_per_sec']:.0f} tokens/s, plain Lightning "
+            f"{plain['tokens_per_sec']:.0f} tokens/s, ratio {ours['tokens_per_sec'] / plain['tokens_per_sec']:.3f} "
+            f"(paired {ours['paired_ratio_vs_p1_lightning']:.3f})"
+        )
     if report["skipped"]:
         lines.append("not run: " + "; ".join(f"{k} ({v})" for k, v in report["skipped"].items()))
     for key, value in report.get("targets", {}).items():
-        shown = {k: (round(v, 3) if isinstance(v, float) else [round(x, 2) for x in v] if isinstance(v, list) else v)
-                 for k, v in value.items()}
+        shown = {
+            k: (round(v, 3) if isinstance(v, float) else [round(x, 2) for x in v] if isinstance(v, list) else v)
+            for k, v in value.items()
+        }
         lines.append(f"target {key}: {shown}")
     for sim in report.get("simulator", []):
         lines.append(
@@ -974,24 +1137,45 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_model_args(parser)
-    parser.add_argument("--quick", action="store_true", help="P=2, M=4 only, 2 repetitions of 3 + 10 steps (under 3 minutes)")
+    parser.add_argument(
+        "--quick", action="store_true", help="P=2, M=4 only, 2 repetitions of 3 + 10 steps (under 3 minutes)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="repetitions per variant (default 5, quick 2)")
     parser.add_argument("--stage-counts", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatch-counts", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--variants", nargs="+", default=list(PIPELINE_VARIANTS), choices=PIPELINE_VARIANTS)
-    parser.add_argument("--with-corrected", action=argparse.BooleanOptionalAction, default=None,
-                        help=f"also run {CORRECTED_VARIANT} (default: full run only)")
-    parser.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
-                        help="P=1 check: the strategy's 1f1b vs plain Lightning")
-    parser.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
-                        help="predict the async variants' tokens/s with the schedule simulator")
+    parser.add_argument(
+        "--with-corrected",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"also run {CORRECTED_VARIANT} (default: full run only)",
+    )
+    parser.add_argument(
+        "--overhead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="P=1 check: the strategy's 1f1b vs plain Lightning",
+    )
+    parser.add_argument(
+        "--simulate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="predict the async variants' tokens/s with the schedule simulator",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is killed")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--out", type=str, default=None, help="write the JSON report here")
-    parser.add_argument("--render", type=str, default=None, metavar="JSON",
-                        help="print a saved report (text table and Markdown) instead of measuring")
+    parser.add_argument(
+        "--render",
+        type=str,
+        default=None,
+        metavar="JSON",
+        help="print a saved report (text table and Markdown) instead of measuring",
+    )
     # worker-only
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stages", type=int, default=2, help=argparse.SUPPRESS)

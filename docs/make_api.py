@@ -31,7 +31,7 @@ ORDER = [
     PACKAGE,
     f"{PACKAGE}.strategy",
     f"{PACKAGE}.module",
-    f"{PACKAGE}.pipeline.contract",
+    f"{PACKAGE}.runtime.contract",
     f"{PACKAGE}.optim",
     f"{PACKAGE}.optim.muon",
     f"{PACKAGE}.optim.delay_corrected",
@@ -118,7 +118,7 @@ def docstring_markdown(doc: str | None) -> str:
             section_item = False
             continue
         if stripped.startswith(".. note::"):
-            out.append("**Note:** " + _inline(stripped[len(".. note::"):].strip()))
+            out.append("**Note:** " + _inline(stripped[len(".. note::") :].strip()))
             i += 1
             continue
         header = stripped.rstrip(":")
@@ -243,18 +243,39 @@ def render_class(qualname: str, cls) -> list[str]:
         func = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
         sig = signature(f"{cls.__name__}.{name}", func)
         label = f" ({kind})" if kind != "method" else ""
-        out += [f"#### `{cls.__name__}.{name}`{label}", "", "```text", sig, "```", "", docstring_markdown(func.__doc__), ""]
+        out += [
+            f"#### `{cls.__name__}.{name}`{label}",
+            "",
+            "```text",
+            sig,
+            "```",
+            "",
+            docstring_markdown(func.__doc__),
+            "",
+        ]
     if overrides:
         base = next((b for b in cls.__mro__[1:] if b.__module__.split(".")[0] != PACKAGE and b is not object), None)
         where = f" `{base.__module__.split('.')[0]}` " if base is not None else " "
-        out += [f"Overrides of{where}base-class methods, behaving as documented there: "
-                + ", ".join(f"`{n}`" for n in overrides) + ".", ""]
+        out += [
+            f"Overrides of{where}base-class methods, behaving as documented there: "
+            + ", ".join(f"`{n}`" for n in overrides)
+            + ".",
+            "",
+        ]
     return out
 
 
 def render_function(qualname: str, func) -> list[str]:
-    return [f"### `{qualname}`", "", "```text", signature(func.__name__, func), "```", "",
-            docstring_markdown(func.__doc__), ""]
+    return [
+        f"### `{qualname}`",
+        "",
+        "```text",
+        signature(func.__name__, func),
+        "```",
+        "",
+        docstring_markdown(func.__doc__),
+        "",
+    ]
 
 
 def render() -> str:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lightning_async_pp.pipeline.schedule import build_schedule
-from lightning_async_pp.pipeline.simulate import StageCosts, plot_gantt, simulate
+from lightning_async_pp.schedule import build_schedule
+from lightning_async_pp.schedule.simulate import StageCosts, plot_gantt, simulate
 
 STAGES, MICROBATCHES, STEPS = 4, 4, 3
 COSTS = StageCosts(forward=1.0, backward=2.0, update=0.5)
@@ -22,8 +22,7 @@ COSTS = StageCosts(forward=1.0, backward=2.0, update=0.5)
 def results():
     """The two simulated runs: 1F1B first, then 2BW, same stages, micro-batches, steps and costs."""
     return [
-        simulate(build_schedule(kind, STAGES, MICROBATCHES, STEPS, with_comm=False), COSTS)
-        for kind in ("1f1b", "2bw")
+        simulate(build_schedule(kind, STAGES, MICROBATCHES, STEPS, with_comm=False), COSTS) for kind in ("1f1b", "2bw")
     ]
 
 
@@ -47,7 +46,9 @@ def draw(path: Path) -> None:
             fontsize=10,
         )
     axes[0].set_xlabel("")
-    axes[-1].set_xlabel(f"time (forward = 1, backward = 2, update = 0.5); P = {STAGES} stages, M = {MICROBATCHES} micro-batches per step")
+    axes[-1].set_xlabel(
+        f"time (forward = 1, backward = 2, update = 0.5); P = {STAGES} stages, M = {MICROBATCHES} micro-batches per step"
+    )
     legend = [
         Patch(facecolor="tab:blue", edgecolor="k", label="F<i>: forward of micro-batch i"),
         Patch(facecolor="tab:green", edgecolor="k", label="B<i>: backward of micro-batch i"),

@@ -1,7 +1,7 @@
 """Making your own model pipeline-ready: a residual MLP classifier trained as a 2-stage 2BW pipeline.
 
-    python examples/custom_model.py                 # 2 stages on 2 CPU processes
-    python examples/custom_model.py --devices 1     # the exact same trajectory on one process
+python examples/custom_model.py                 # 2 stages on 2 CPU processes
+python examples/custom_model.py --devices 1     # the exact same trajectory on one process
 """
 
 import argparse

@@ -73,7 +73,10 @@ class AsyncPipelineCLI(LightningCLI):
     def after_fit(self) -> None:
         logger = self.trainer.logger
         if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
-            print(f"\nTensorBoard logs: {logger.log_dir}\nView them with: tensorboard --logdir {logger.save_dir}", flush=True)
+            print(
+                f"\nTensorBoard logs: {logger.log_dir}\nView them with: tensorboard --logdir {logger.save_dir}",
+                flush=True,
+            )
 
 
 def _current_folder_importable() -> None:

@@ -1,6 +1,6 @@
 """``PipelineModule``: a ``LightningModule`` written as a pipeline, that also runs without one.
 
-A subclass implements the pipeline contract (see :mod:`lightning_async_pp.pipeline.contract`) and
+A subclass implements the pipeline contract (see :mod:`lightning_async_pp.runtime.contract`) and
 ``configure_optimizers``; everything Lightning calls is derived from it:
 
 - ``forward(x)`` runs ``pipeline_layers()`` in order;
@@ -21,7 +21,7 @@ from typing import Any, Literal
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_async_pp.pipeline.contract import run_layers
+from lightning_async_pp.runtime.contract import run_layers
 
 __all__ = ["PipelineModule", "pipeline_evaluation_step"]
 

@@ -53,14 +53,35 @@ CPU_MODEL = {"width": 64, "layers": 4, "heads": 4, "seq": 32, "batch_size": 16, 
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
-def run_pipeline(accelerator: str, devices: int, schedule: str, microbatches: int, steps: int, out: Path,
-                 watchdog: float, size: dict) -> dict:
+def run_pipeline(
+    accelerator: str, devices: int, schedule: str, microbatches: int, steps: int, out: Path, watchdog: float, size: dict
+) -> dict:
     """One multi-process training job (tests/pipeline_run.py); raises on failure or when the watchdog fires."""
     command = [
-        sys.executable, str(ROOT / "tests" / "pipeline_run.py"), "--accelerator", accelerator, "--devices", str(devices),
-        "--schedule", schedule, "--microbatches", str(microbatches), "--steps", str(steps), "--optimizer", "adamw",
-        "--width", str(size["width"]), "--seq", str(size["seq"]), "--batch-size", str(size["batch"]),
-        "--layers", str(size["layers"]), "--out", str(out),
+        sys.executable,
+        str(ROOT / "tests" / "pipeline_run.py"),
+        "--accelerator",
+        accelerator,
+        "--devices",
+        str(devices),
+        "--schedule",
+        schedule,
+        "--microbatches",
+        str(microbatches),
+        "--steps",
+        str(steps),
+        "--optimizer",
+        "adamw",
+        "--width",
+        str(size["width"]),
+        "--seq",
+        str(size["seq"]),
+        "--batch-size",
+        str(size["batch"]),
+        "--layers",
+        str(size["layers"]),
+        "--out",
+        str(out),
     ]
     code, output = run_ranks(command, devices, watchdog)
     if code != 0:
@@ -79,12 +100,20 @@ def run_ranks(command: list[str], ranks: int, watchdog: float) -> tuple[int, str
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), WORLD_SIZE=str(ranks), NODE_RANK="0")
+    env = dict(
+        os.environ,
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(ranks),
+        NODE_RANK="0",
+    )
     logs = [tempfile.TemporaryFile("w+") for _ in range(ranks)]
     try:
-        code = bench_common.run_ranks(command, [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(ranks)],
-                                      logs, watchdog)
+        code = bench_common.run_ranks(
+            command, [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(ranks)], logs, watchdog
+        )
         output = ""
         for rank, log in enumerate(logs):
             log.seek(0)
@@ -104,9 +133,12 @@ def exactness(accelerator: str, tolerance: float) -> list[dict]:
         row = {"check": "exactness", "schedule": schedule, "stages": 2, "microbatches": size["microbatches"]}
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                result = run_pipeline(accelerator, 2, schedule, size["microbatches"], size["steps"], Path(tmp), 600, size)
-            model = tiny_gpt(n_layer=size["layers"], n_embd=size["width"], block_size=size["seq"],
-                             optimizer=make_optimizer("adamw"))
+                result = run_pipeline(
+                    accelerator, 2, schedule, size["microbatches"], size["steps"], Path(tmp), 600, size
+                )
+            model = tiny_gpt(
+                n_layer=size["layers"], n_embd=size["width"], block_size=size["seq"], optimizer=make_optimizer("adamw")
+            )
             batches = random_batches(size["steps"], batch_size=size["batch"], block=size["seq"])
             strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=size["microbatches"])
             ref_losses = fit(model, batches, strategy=strategy, accelerator=accelerator)
@@ -114,11 +146,19 @@ def exactness(accelerator: str, tolerance: float) -> list[dict]:
             loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result["losses"], ref_losses, strict=True))
             # Elementwise, as torch.testing.assert_close: |a - b| <= atol + rtol * |b| with atol = rtol / 10.
             weight_err = max(
-                float(((result["weights"][k].float() - v.float()).abs() / (tolerance / 10 + tolerance * v.float().abs())).max())
+                float(
+                    (
+                        (result["weights"][k].float() - v.float()).abs()
+                        / (tolerance / 10 + tolerance * v.float().abs())
+                    ).max()
+                )
                 for k, v in ref_weights.items()
             )
-            row.update(max_rel_loss_diff=loss_diff, weight_error_over_tolerance=weight_err,
-                       ok=loss_diff <= tolerance and weight_err <= 1.0)
+            row.update(
+                max_rel_loss_diff=loss_diff,
+                weight_error_over_tolerance=weight_err,
+                ok=loss_diff <= tolerance and weight_err <= 1.0,
+            )
         except Exception as error:  # a failed check is reported, the others still run
             row.update(ok=False, error=str(error)[-3000:])
         rows.append(row)
@@ -149,10 +189,24 @@ def throughput(accelerator: str, stages: int, model: dict, repeats: int) -> list
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "throughput.json"
         command = [
-            sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--accelerator", accelerator,
-            "--stage-counts", str(stages), "--microbatch-counts", *[str(m * stages) for m in (1, 2, 4)],
-            "--variants", "async_pp_2bw", "torch_1f1b", "--no-overhead", "--no-simulate", "--no-with-corrected",
-            "--repeats", str(repeats), "--out", str(out),
+            sys.executable,
+            str(ROOT / "benchmarks" / "throughput.py"),
+            "--accelerator",
+            accelerator,
+            "--stage-counts",
+            str(stages),
+            "--microbatch-counts",
+            *[str(m * stages) for m in (1, 2, 4)],
+            "--variants",
+            "async_pp_2bw",
+            "torch_1f1b",
+            "--no-overhead",
+            "--no-simulate",
+            "--no-with-corrected",
+            "--repeats",
+            str(repeats),
+            "--out",
+            str(out),
             *[x for key, value in model.items() for x in (f"--{key.replace('_', '-')}", str(value))],
         ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
@@ -164,14 +218,23 @@ def throughput(accelerator: str, stages: int, model: dict, repeats: int) -> list
         if r["name"] not in ("async_pp_2bw", "torch_1f1b"):
             continue
         memory = r.get("peak_gpu_mb") if accelerator == "gpu" else r.get("peak_heap_mb")
-        rows.append({
-            "check": "throughput", "variant": r["name"], "stages": r["num_stages"], "microbatches": r["num_microbatches"],
-            "tokens_per_sec": r["tokens_per_sec"], "bubble_fraction": r["bubble_fraction"],
-            "peak_memory_mb": memory, "ok": r["tokens_per_sec"] is not None,
-        })
+        rows.append(
+            {
+                "check": "throughput",
+                "variant": r["name"],
+                "stages": r["num_stages"],
+                "microbatches": r["num_microbatches"],
+                "tokens_per_sec": r["tokens_per_sec"],
+                "bubble_fraction": r["bubble_fraction"],
+                "peak_memory_mb": memory,
+                "ok": r["tokens_per_sec"] is not None,
+            }
+        )
     for row in rows:
         if row["variant"] == "async_pp_2bw":
-            peer = next((x for x in rows if x["variant"] == "torch_1f1b" and x["microbatches"] == row["microbatches"]), None)
+            peer = next(
+                (x for x in rows if x["variant"] == "torch_1f1b" and x["microbatches"] == row["microbatches"]), None
+            )
             if peer and peer["tokens_per_sec"]:
                 row["vs_torch_1f1b"] = row["tokens_per_sec"] / peer["tokens_per_sec"]
     return rows
@@ -189,7 +252,11 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'check':<15} {'ok':<5} {'P':>2} {'M':>3} {'schedule/variant':<17} result")
     for row in rows:
         name = row.get("schedule") or row.get("variant", "")
-        details = {k: v for k, v in row.items() if k not in ("check", "ok", "stages", "microbatches", "schedule", "variant", "error")}
+        details = {
+            k: v
+            for k, v in row.items()
+            if k not in ("check", "ok", "stages", "microbatches", "schedule", "variant", "error")
+        }
         line = f"{row['check']:<15} {str(row['ok']):<5} {row.get('stages', ''):>2} {row.get('microbatches', ''):>3} {name:<17} "
         print(line + " ".join(f"{k}={_fmt(v)}" for k, v in details.items()))
         if "error" in row:
@@ -221,8 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("One GPU: the pipeline checks need at least 2; nothing to run beyond device discovery.")
     report = {
-        "accelerator": accelerator, "devices": count, "device": device, "torch": torch.__version__,
-        "seconds": round(time.perf_counter() - started, 1), "ok": all(r["ok"] for r in rows), "results": rows,
+        "accelerator": accelerator,
+        "devices": count,
+        "device": device,
+        "torch": torch.__version__,
+        "seconds": round(time.perf_counter() - started, 1),
+        "ok": all(r["ok"] for r in rows),
+        "results": rows,
     }
     print_table(rows)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))

@@ -56,7 +56,9 @@ def _checkpoint_state(callback: ModelCheckpoint) -> dict:
     }
 
 
-def fit(devices: int, out: Path, pipeline_size: int | None = None, batches=None, microbatches: int | str = "auto") -> dict:
+def fit(
+    devices: int, out: Path, pipeline_size: int | None = None, batches=None, microbatches: int | str = "auto"
+) -> dict:
     """Train with the monitoring callbacks. ``batches``: the training data (default: what each of the
     ``devices / pipeline_size`` replicas reads its shard of); 4 validation batches, sharded likewise."""
     torch.set_num_threads(1)
@@ -68,12 +70,20 @@ def fit(devices: int, out: Path, pipeline_size: int | None = None, batches=None,
     stopper = EarlyStopping(monitor="val/loss", patience=2, min_delta=0.01)
     seen = Seen()
     trainer = Trainer(
-        accelerator="cpu", devices=devices, max_steps=STEPS, val_check_interval=VAL_EVERY, check_val_every_n_epoch=None,
-        strategy=AsyncPipelineStrategy(num_microbatches=microbatches, pipeline_parallel_size=pipeline_size,
-                                       timeout=datetime.timedelta(seconds=120)),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=STEPS,
+        val_check_interval=VAL_EVERY,
+        check_val_every_n_epoch=None,
+        strategy=AsyncPipelineStrategy(
+            num_microbatches=microbatches, pipeline_parallel_size=pipeline_size, timeout=datetime.timedelta(seconds=120)
+        ),
         callbacks=[val_ckpt, train_ckpt, stopper, LearningRateMonitor(logging_interval="step"), seen],
-        logger=CSVLogger(out, name="logs", version=0), log_every_n_steps=2, num_sanity_val_steps=1,
-        enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger(out, name="logs", version=0),
+        log_every_n_steps=2,
+        num_sanity_val_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     data = batches if batches is not None else random_batches(STEPS * (devices // (pipeline_size or devices)))
     trainer.fit(model, loader(data), loader(random_batches(4, seed=1)))
@@ -137,7 +147,11 @@ def evaluate(devices: int, out: Path, strategy: bool = True) -> dict:
     torch.set_num_threads(1)
     model = Classifier()
     trainer = Trainer(
-        accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         strategy=AsyncPipelineStrategy(timeout=datetime.timedelta(seconds=120)) if strategy else "auto",
     )
     validated = trainer.validate(model, classification_data(), verbose=False)
@@ -154,7 +168,9 @@ def evaluate(devices: int, out: Path, strategy: bool = True) -> dict:
     return result
 
 
-def train_classifier(devices: int, out: Path | None, strategy="auto", data=None, batch_size: int = 32, steps: int = 5) -> dict:
+def train_classifier(
+    devices: int, out: Path | None, strategy="auto", data=None, batch_size: int = 32, steps: int = 5
+) -> dict:
     """Train ``Classifier`` with any strategy; ``devices`` processes share each global batch of ``batch_size``
     (``data``: the batches instead, for one device)."""
     torch.set_num_threads(1)
@@ -166,8 +182,15 @@ def train_classifier(devices: int, out: Path | None, strategy="auto", data=None,
             losses.append(float(trainer.callback_metrics["train/loss"]))
 
     trainer = Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False, callbacks=[Losses()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        callbacks=[Losses()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     data = data if data is not None else DataLoader(classification_data().dataset, batch_size=batch_size // devices)
     trainer.fit(model, data)

@@ -50,13 +50,29 @@ def main() -> None:
         from lightning_async_pp.checkpoint import ShardedCheckpointIO
 
         plugins.append(ShardedCheckpointIO(async_save=True))
-    checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", monitor="score", mode="min", save_top_k=2, save_last=True,
-                                  filename="step={step}", auto_insert_metric_name=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=out / "checkpoints",
+        monitor="score",
+        mode="min",
+        save_top_k=2,
+        save_last=True,
+        filename="step={step}",
+        auto_insert_metric_name=False,
+    )
     model = ScoredGPT(vocab_size=256, block_size=16, n_layer=4, n_head=2, n_embd=32, lr_schedule="constant")
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, max_steps=10, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, strategy=AsyncPipelineStrategy(num_microbatches=2, start_method="popen"),
-        callbacks=[checkpoints], val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0, plugins=plugins,
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=10,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=AsyncPipelineStrategy(num_microbatches=2, start_method="popen"),
+        callbacks=[checkpoints],
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        plugins=plugins,
     )
     trainer.fit(model, loader(random_batches(10)), loader(random_batches(1, seed=5)))
     torch.save({k: v.detach() for k, v in model.state_dict().items()}, out / f"weights_rank{trainer.global_rank}.pt")

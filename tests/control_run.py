@@ -12,23 +12,36 @@ import argparse
 import json
 import os
 import signal
-from datetime import timedelta
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from helpers import loader, random_batches, tiny_gpt  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 
-from helpers import loader, random_batches, tiny_gpt  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 
-COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
-               "broadcast_object_list", "barrier", "reduce", "gather", "gather_object", "scatter",
-               "reduce_scatter", "all_to_all", "monitored_barrier")
+COLLECTIVES = (
+    "broadcast",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast_object_list",
+    "barrier",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "monitored_barrier",
+)
 
 
 class Record(Callback):
@@ -69,8 +82,12 @@ class Record(Callback):
         self._write(trainer)
 
     def _write(self, trainer) -> None:
-        record = {"collectives": self.steps[1:], "stopped_at": self.stopped_at, "received_sigterm": self.received,
-                  "global_step": trainer.global_step}
+        record = {
+            "collectives": self.steps[1:],
+            "stopped_at": self.stopped_at,
+            "received_sigterm": self.received,
+            "global_step": trainer.global_step,
+        }
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -87,11 +104,20 @@ def main() -> None:
     replicas = args.devices // args.pipeline_size
     # Lightning starts the other ranks by running this script again ("popen"), so each rank handles its own
     # exceptions and runs `on_exception` (with "spawn" only the main process would).
-    strategy = AsyncPipelineStrategy(num_microbatches=2, pipeline_parallel_size=args.pipeline_size,
-                                     timeout=timedelta(seconds=60))
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                      max_steps=args.steps, callbacks=[Record(args.out, args.sigterm_rank, args.sigterm_step)])
+    strategy = AsyncPipelineStrategy(
+        num_microbatches=2, pipeline_parallel_size=args.pipeline_size, timeout=timedelta(seconds=60)
+    )
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        max_steps=args.steps,
+        callbacks=[Record(args.out, args.sigterm_rank, args.sigterm_step)],
+    )
     try:
         trainer.fit(tiny_gpt(n_layer=2), loader(random_batches(args.steps * replicas, batch_size=4)))
     except BaseException as error:  # SIGTERMException, re-raised after `on_exception`

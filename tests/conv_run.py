@@ -39,8 +39,14 @@ def train(devices: int, dims: int, optimizer: str, steps: int, microbatches: int
     model = ConvClassifier(dims=dims, optimizer=make_optimizer(optimizer))
     recorder = Recorder()
     trainer = Trainer(
-        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
         strategy=AsyncPipelineStrategy(num_microbatches=microbatches, timeout=datetime.timedelta(seconds=120)),
     )
     trainer.fit(model, train_dataloaders=loader(conv_batches(steps, dims=dims)))

@@ -42,11 +42,10 @@ def global_batches(steps: int, replicas: int, **kwargs) -> list[tuple[torch.Tens
     from torch.utils.data import DistributedSampler
 
     items = random_batches(steps * replicas, **kwargs)
-    shards = [list(DistributedSampler(items, num_replicas=replicas, rank=r, shuffle=True, seed=0)) for r in range(replicas)]
-    return [
-        tuple(torch.cat([items[shards[r][t]][k] for r in range(replicas)]) for k in range(2))
-        for t in range(steps)
+    shards = [
+        list(DistributedSampler(items, num_replicas=replicas, rank=r, shuffle=True, seed=0)) for r in range(replicas)
     ]
+    return [tuple(torch.cat([items[shards[r][t]][k] for r in range(replicas)]) for k in range(2)) for t in range(steps)]
 
 
 def loader(batches) -> DataLoader:
@@ -88,8 +87,14 @@ def flat_weights(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def run_group(command: list, timeout: float, cwd=None, env: dict | None = None, merge_stderr: bool = False,
-              raise_on_timeout: bool = False) -> subprocess.CompletedProcess:
+def run_group(
+    command: list,
+    timeout: float,
+    cwd=None,
+    env: dict | None = None,
+    merge_stderr: bool = False,
+    raise_on_timeout: bool = False,
+) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)`` for commands that start more processes (Lightning's
     launcher, torchrun, spawn): the command runs in a session of its own, and every process of that session is
     killed when the command returns or times out, so that no rank outlives the test. A timeout fails the test
@@ -97,8 +102,9 @@ def run_group(command: list, timeout: float, cwd=None, env: dict | None = None, 
     the order written, and the result's ``stderr`` is empty."""
     command = [str(c) for c in command]
     stderr_to = subprocess.STDOUT if merge_stderr else subprocess.PIPE
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr_to, text=True, cwd=cwd, env=env,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=stderr_to, text=True, cwd=cwd, env=env, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -160,11 +166,13 @@ class ConvClassifier(LightningModule):
         super().__init__()
         conv = {1: nn.Conv1d, 2: nn.Conv2d}[dims]
         self.dims, self.optimizer = dims, optimizer
-        self.layers = nn.ModuleList([
-            nn.Sequential(conv(2, channels, 3, padding=1), nn.GELU()),
-            nn.Sequential(conv(channels, channels, 3, padding=1), nn.GELU()),
-            _MeanHead(channels, classes),
-        ])
+        self.layers = nn.ModuleList(
+            [
+                nn.Sequential(conv(2, channels, 3, padding=1), nn.GELU()),
+                nn.Sequential(conv(channels, channels, 3, padding=1), nn.GELU()),
+                _MeanHead(channels, classes),
+            ]
+        )
 
     def pipeline_layers(self):
         return self.layers
@@ -201,7 +209,10 @@ def conv_batches(num_batches: int, dims: int = 1, batch_size: int = 8, seed: int
     generator = torch.Generator().manual_seed(seed)
     shape = (16,) if dims == 1 else (8, 8)
     return [
-        (torch.randn(batch_size, 2, *shape, generator=generator), torch.randint(0, 4, (batch_size,), generator=generator))
+        (
+            torch.randn(batch_size, 2, *shape, generator=generator),
+            torch.randint(0, 4, (batch_size,), generator=generator),
+        )
         for _ in range(num_batches)
     ]
 

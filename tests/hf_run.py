@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_models import adamw, sgd, token_batches, tiny_causal_lm  # noqa: E402
+from hf_models import adamw, sgd, tiny_causal_lm, token_batches  # noqa: E402
 
 import lightning_async_pp.models.hf as hf  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
@@ -112,27 +112,42 @@ def main(argv=None) -> None:
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--padding", action="store_true")
     parser.add_argument("--val-every", type=int, default=0, help="validate after this many steps (0: never)")
-    parser.add_argument("--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit")
+    parser.add_argument(
+        "--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     model = build(args)
     strategy = AsyncPipelineStrategy(
-        schedule=args.schedule, num_microbatches=args.microbatches, timeout=__import__("datetime").timedelta(seconds=120)
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        timeout=__import__("datetime").timedelta(seconds=120),
     )
     recorder = Recorder()
     train, val = batches_for(args)
-    validation = dict(val_check_interval=args.val_every, check_val_every_n_epoch=None) if args.val_every else dict(
-        limit_val_batches=0
+    validation = (
+        dict(val_check_interval=args.val_every, check_val_every_n_epoch=None)
+        if args.val_every
+        else dict(limit_val_batches=0)
     )
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[recorder], **validation,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+        **validation,
     )
     trainer.fit(
-        model, train_dataloaders=DataLoader(train, batch_size=None),
+        model,
+        train_dataloaders=DataLoader(train, batch_size=None),
         val_dataloaders=DataLoader(val, batch_size=None) if args.val_every else None,
     )
     out = Path(args.out)

@@ -117,13 +117,24 @@ def main(argv=None) -> None:
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--total-steps", type=int, default=None, help="batches in the data (default: --steps)")
     parser.add_argument("--stop-at", type=int, default=None, help="end fit after this many steps (of --steps)")
-    parser.add_argument("--checkpoint-every", type=int, default=None,
-                        help="ModelCheckpoint every this many steps, during training, to DIR/final.ckpt")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="ModelCheckpoint every this many steps, during training, to DIR/final.ckpt",
+    )
     parser.add_argument("--lr-schedule", default="constant")
-    parser.add_argument("--global-batches", type=int, default=None,
-                        help="data for this many replicas: each replica reads its shard; one replica reads the union")
-    parser.add_argument("--muon-ns-float32", action="store_true",
-                        help="Muon's Newton-Schulz in float32 (results that do not depend on the CPU's bfloat16)")
+    parser.add_argument(
+        "--global-batches",
+        type=int,
+        default=None,
+        help="data for this many replicas: each replica reads its shard; one replica reads the union",
+    )
+    parser.add_argument(
+        "--muon-ns-float32",
+        action="store_true",
+        help="Muon's Newton-Schulz in float32 (results that do not depend on the CPU's bfloat16)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     with float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
@@ -134,11 +145,19 @@ def _run(args: argparse.Namespace) -> None:
     if args.accelerator == "cpu":
         torch.set_num_threads(1)
 
-    model = tiny_gpt(n_layer=args.layers, n_embd=args.width, block_size=args.seq, optimizer=make_optimizer(args.optimizer),
-                     tie_weights=args.tie_weights, lr_schedule=args.lr_schedule)
+    model = tiny_gpt(
+        n_layer=args.layers,
+        n_embd=args.width,
+        block_size=args.seq,
+        optimizer=make_optimizer(args.optimizer),
+        tie_weights=args.tie_weights,
+        lr_schedule=args.lr_schedule,
+    )
     split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
     strategy = AsyncPipelineStrategy(
-        schedule=args.schedule, num_microbatches=args.microbatches, split_points=split_points,
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        split_points=split_points,
         pipeline_parallel_size=args.pipeline_size,
         timeout=__import__("datetime").timedelta(seconds=60),
         trace_dir=str(Path(args.out) / "trace") if args.trace else None,
@@ -150,9 +169,17 @@ def _run(args: argparse.Namespace) -> None:
 
         callbacks.append(ModelCheckpoint(dirpath=args.out, filename="final", every_n_train_steps=args.checkpoint_every))
     trainer = Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
-        logger=False, enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=bool(args.checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
         gradient_clip_val=args.clip,
         precision=args.precision,
     )
@@ -173,7 +200,11 @@ def _run(args: argparse.Namespace) -> None:
         }
         stage_lags = {str(stage): [r.version_lag for r in records] for stage, records in strategy.stage_stats.items()}
         result = {
-            "losses": recorder.losses, "steps": recorder.steps, "batch_sums": recorder.batch_sums, "stage_bubbles": stage_bubbles, "version_lag": stage_lags,
+            "losses": recorder.losses,
+            "steps": recorder.steps,
+            "batch_sums": recorder.batch_sums,
+            "stage_bubbles": stage_bubbles,
+            "version_lag": stage_lags,
             "step_seconds": [r.wall for r in strategy.stage_stats.get(0, [])],
         }
         (out / "losses.json").write_text(json.dumps(result))

@@ -42,9 +42,9 @@ class HookedGPT(GPT):
         self.hook_calls: list[dict[str, float]] = []
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        self.hook_calls.append({
-            name: float(p.grad.norm()) for name, p in self.named_parameters() if p.grad is not None
-        })
+        self.hook_calls.append(
+            {name: float(p.grad.norm()) for name, p in self.named_parameters() if p.grad is not None}
+        )
 
 
 class CallbackCounter(Callback):
@@ -126,11 +126,21 @@ def main(argv=None) -> None:
         num_microbatches=args.microbatches, split_points=split_points, timeout=timedelta(seconds=60)
     )
     callbacks = [CallbackCounter()] if args.scenario == "hooks" else []
-    validation = dict(limit_val_batches=2, val_check_interval=args.steps) if args.validate else dict(limit_val_batches=0)
+    validation = (
+        dict(limit_val_batches=2, val_check_interval=args.steps) if args.validate else dict(limit_val_batches=0)
+    )
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks, **validation,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **validation,
     )
     if args.scenario == "hooks":
         model = hooked_gpt()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import run_script
-from lightning_async_pp.pipeline import activations
-from lightning_async_pp.pipeline.activations import Spec
+
+from lightning_async_pp.runtime import activations
+from lightning_async_pp.runtime.activations import Spec
 
 RUNNER = Path(__file__).parent / "tuple_model.py"
 
@@ -45,7 +45,9 @@ def test_a_known_spec_is_not_read_again():
     assert same is spec and isinstance(rebuilt, list) and len(rebuilt) == 2
 
 
-@pytest.mark.parametrize("value", [None, 3, (torch.ones(1), None), {"a": torch.ones(1), "b": 2}, {1: torch.ones(1)}, ()])
+@pytest.mark.parametrize(
+    "value", [None, 3, (torch.ones(1), None), {"a": torch.ones(1), "b": 2}, {1: torch.ones(1)}, ()]
+)
 def test_other_values_are_refused_with_what_to_do(value):
     with pytest.raises(TypeError, match="tensor, or a tuple, list or dict|string keys"):
         activations.message(value)
@@ -63,8 +65,22 @@ def test_gradients_come_back_only_for_tensors_that_require_grad():
 
 def _run(tmp_path, devices, schedule, split):
     out = tmp_path / f"{devices}-{schedule}"
-    command = [sys.executable, str(RUNNER), "--devices", str(devices), "--schedule", schedule, "--microbatches", "4",
-               "--steps", "8", "--split-points", split, "--out", str(out)]
+    command = [
+        sys.executable,
+        str(RUNNER),
+        "--devices",
+        str(devices),
+        "--schedule",
+        schedule,
+        "--microbatches",
+        "4",
+        "--steps",
+        "8",
+        "--split-points",
+        split,
+        "--out",
+        str(out),
+    ]
     returncode, output = run_script(command, 420)
     assert returncode == 0, output[-6000:]
     weights = {}

@@ -1,10 +1,10 @@
 import pytest
 import torch
+from helpers import fit, random_batches, tiny_gpt
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import fit, random_batches, tiny_gpt
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True])

@@ -20,8 +20,26 @@ def bench():
 
 
 TINY = [
-    "--steps", "4", "--val-every", "2", "--val-batches", "1", "--batch-size", "4", "--block-size", "16",
-    "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seeds", "0", "--in-process", "--no-pipeline",
+    "--steps",
+    "4",
+    "--val-every",
+    "2",
+    "--val-batches",
+    "1",
+    "--batch-size",
+    "4",
+    "--block-size",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "16",
+    "--n-head",
+    "2",
+    "--seeds",
+    "0",
+    "--in-process",
+    "--no-pipeline",
 ]
 
 
@@ -30,8 +48,20 @@ def test_grid_json_table_and_plot(bench, tmp_path):
 
     newton_schulz, threads = torch_muon._zeropower_via_newtonschulz, torch.get_num_threads()
     out = tmp_path / "gap.json"
-    args = [*TINY, "--lr-grid", "1e-3", "3e-3", "--delayed-lr-grid", "--depths", "2", "--momenta", "0.8",
-            "--muon-parts", "--out", str(out)]
+    args = [
+        *TINY,
+        "--lr-grid",
+        "1e-3",
+        "3e-3",
+        "--delayed-lr-grid",
+        "--depths",
+        "2",
+        "--momenta",
+        "0.8",
+        "--muon-parts",
+        "--out",
+        str(out),
+    ]
     returned = bench.main(args)
     # A run in this process leaves torch as it found it.
     assert torch_muon._zeropower_via_newtonschulz is newton_schulz and torch.get_num_threads() == threads
@@ -44,8 +74,14 @@ def test_grid_json_table_and_plot(bench, tmp_path):
     runs = report["runs"]
     for run in runs:
         assert run["optimizer"] in ("adamw", "muon")
-        assert run["mode"] in ("sync", "delayed", "delayed_corrected", "pipedream", "delayed_matrices_only",
-                               "delayed_adamw_only")
+        assert run["mode"] in (
+            "sync",
+            "delayed",
+            "delayed_corrected",
+            "pipedream",
+            "delayed_matrices_only",
+            "delayed_adamw_only",
+        )
         assert isinstance(run["seed"], int)
         assert run["final_val_loss"] is None or math.isfinite(run["final_val_loss"])
         assert [step for step, _ in run["val_curve"]] == [2, 4]
@@ -76,8 +112,21 @@ def test_grid_json_table_and_plot(bench, tmp_path):
 
     # A second call reuses the cached runs.
     chosen = report["chosen_lr"]
-    again = bench.main([*TINY, "--lr-adamw", str(chosen["adamw"]), "--lr-muon", str(chosen["muon"]), "--depths",
-                        "--momenta", "--out", str(tmp_path / "again.json"), "--work-dir", str(out.with_suffix(".runs"))])
+    again = bench.main(
+        [
+            *TINY,
+            "--lr-adamw",
+            str(chosen["adamw"]),
+            "--lr-muon",
+            str(chosen["muon"]),
+            "--depths",
+            "--momenta",
+            "--out",
+            str(tmp_path / "again.json"),
+            "--work-dir",
+            str(out.with_suffix(".runs")),
+        ]
+    )
     assert len(again["runs"]) == 6
     assert {(r["optimizer"], r["mode"]): r["final_val_loss"] for r in again["runs"]} == main
     assert sum(r["wall_s"] for r in again["runs"]) == sum(r["wall_s"] for r in runs if r["kind"] == "main")
@@ -139,8 +188,22 @@ def test_extended_quick_runs_the_whole_protocol(bench, tmp_path):
 
 
 def test_auto_runs_record_their_coefficients(bench, tmp_path):
-    report = bench.main([*TINY, "--optimizers", "adamw", "--modes", "delayed", "delayed_auto", "--lr-adamw", "3e-3",
-                         "--depths", "--momenta", "--out", str(tmp_path / "auto.json")])
+    report = bench.main(
+        [
+            *TINY,
+            "--optimizers",
+            "adamw",
+            "--modes",
+            "delayed",
+            "delayed_auto",
+            "--lr-adamw",
+            "3e-3",
+            "--depths",
+            "--momenta",
+            "--out",
+            str(tmp_path / "auto.json"),
+        ]
+    )
     auto = next(r for r in report["runs"] if r["mode"] == "delayed_auto")
     plain = next(r for r in report["runs"] if r["mode"] == "delayed")
     assert plain["auto_coefficients"] is None
@@ -154,29 +217,111 @@ def test_auto_runs_record_their_coefficients(bench, tmp_path):
 def test_a_grid_run_read_back_by_the_main_table_counts_as_trained(bench, tmp_path):
     # The synchronous run at the grid's best rate is the main table's synchronous run: trained once, read back
     # once, and not counted as a run from the cache.
-    report = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "--lr-grid-adamw", "3e-3",
-                         "--no-delayed-best-lr", "--depths", "--momenta", "--out", str(tmp_path / "grid.json")])
+    report = bench.main(
+        [
+            *TINY,
+            "--optimizers",
+            "adamw",
+            "--modes",
+            "sync",
+            "delayed",
+            "--lr-grid-adamw",
+            "3e-3",
+            "--no-delayed-best-lr",
+            "--depths",
+            "--momenta",
+            "--out",
+            str(tmp_path / "grid.json"),
+        ]
+    )
     assert report["unique_runs"] == 2 and report["runs_from_cache"] == 0
-    again = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "--lr-grid-adamw", "3e-3",
-                        "--no-delayed-best-lr", "--depths", "--momenta", "--out", str(tmp_path / "grid.json"),
-                        "--work-dir", str(tmp_path / "grid.runs")])
+    again = bench.main(
+        [
+            *TINY,
+            "--optimizers",
+            "adamw",
+            "--modes",
+            "sync",
+            "delayed",
+            "--lr-grid-adamw",
+            "3e-3",
+            "--no-delayed-best-lr",
+            "--depths",
+            "--momenta",
+            "--out",
+            str(tmp_path / "grid.json"),
+            "--work-dir",
+            str(tmp_path / "grid.runs"),
+        ]
+    )
     assert again["unique_runs"] == 2 and again["runs_from_cache"] == 2
 
 
 def test_reuse_continues_a_protocol_from_its_report_in_another_work_dir(bench, tmp_path):
-    first = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "--lr-adamw", "3e-3",
-                        "--depths", "--momenta", "--out", str(tmp_path / "first.json"),
-                        "--work-dir", str(tmp_path / "a")])
+    first = bench.main(
+        [
+            *TINY,
+            "--optimizers",
+            "adamw",
+            "--modes",
+            "sync",
+            "delayed",
+            "--lr-adamw",
+            "3e-3",
+            "--depths",
+            "--momenta",
+            "--out",
+            str(tmp_path / "first.json"),
+            "--work-dir",
+            str(tmp_path / "a"),
+        ]
+    )
     assert first["runs_from_cache"] == 0
     # Elsewhere (an empty work dir): the reported runs are not trained again, the new mode is.
-    second = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "delayed", "delayed_corrected",
-                         "--lr-adamw", "3e-3", "--depths", "--momenta", "--out", str(tmp_path / "second.json"),
-                         "--work-dir", str(tmp_path / "b"), "--reuse", str(tmp_path / "first.json")])
+    second = bench.main(
+        [
+            *TINY,
+            "--optimizers",
+            "adamw",
+            "--modes",
+            "sync",
+            "delayed",
+            "delayed_corrected",
+            "--lr-adamw",
+            "3e-3",
+            "--depths",
+            "--momenta",
+            "--out",
+            str(tmp_path / "second.json"),
+            "--work-dir",
+            str(tmp_path / "b"),
+            "--reuse",
+            str(tmp_path / "first.json"),
+        ]
+    )
     assert second["runs_from_cache"] == 2 and second["unique_runs"] == 3
     losses = {r["mode"]: r["final_val_loss"] for r in first["runs"]}
     assert {r["mode"]: r["final_val_loss"] for r in second["runs"] if r["mode"] in losses} == losses
     # Runs on another corpus are not taken.
-    other = bench.main([*TINY, "--optimizers", "adamw", "--modes", "sync", "--lr-adamw", "3e-3", "--depths",
-                        "--momenta", "--out", str(tmp_path / "third.json"), "--work-dir", str(tmp_path / "c"),
-                        "--corpus", str(tmp_path / "first.md"), "--reuse", str(tmp_path / "first.json")])
+    other = bench.main(
+        [
+            *TINY,
+            "--optimizers",
+            "adamw",
+            "--modes",
+            "sync",
+            "--lr-adamw",
+            "3e-3",
+            "--depths",
+            "--momenta",
+            "--out",
+            str(tmp_path / "third.json"),
+            "--work-dir",
+            str(tmp_path / "c"),
+            "--corpus",
+            str(tmp_path / "first.md"),
+            "--reuse",
+            str(tmp_path / "first.json"),
+        ]
+    )
     assert other["runs_from_cache"] == 0

@@ -13,10 +13,28 @@ def test_writes_all_fields(tmp_path):
     threads = torch.get_num_threads()
     out = tmp_path / "result.json"
     try:
-        returned = bench.main([
-            "--rounds", "2", "--warmup", "1", "--batch-size", "4", "--block-size", "8", "--microbatches", "2",
-            "--n-layer", "2", "--n-embd", "16", "--image-batch", "1", "--out", str(out),
-        ])
+        returned = bench.main(
+            [
+                "--rounds",
+                "2",
+                "--warmup",
+                "1",
+                "--batch-size",
+                "4",
+                "--block-size",
+                "8",
+                "--microbatches",
+                "2",
+                "--n-layer",
+                "2",
+                "--n-embd",
+                "16",
+                "--image-batch",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     report = json.loads(out.read_text())

@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers import load_benchmark
 
-from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+from lightning_async_pp.schedule.simulate import StageCosts, simulate
 
 
 @pytest.fixture(scope="module")

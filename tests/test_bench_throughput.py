@@ -11,8 +11,22 @@ import json
 import pytest
 from helpers import load_benchmark
 
-TINY = ["--width", "16", "--layers", "2", "--heads", "2", "--seq", "8", "--batch-size", "4", "--warmup", "1",
-        "--steps", "2"]
+TINY = [
+    "--width",
+    "16",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq",
+    "8",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "1",
+    "--steps",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +113,20 @@ def test_report_from_made_up_runs(bench):
         if r["num_stages"] > 1:
             assert len(r["peak_rss_mb"]) == len(r["bubble_fraction"]) == 2
     report = {
-        "config": {"model": {"width": 16, "blocks": 2, "seq": 8}, "batch_size": 4, "warmup_steps": 1,
-                   "timed_steps": 2, "repeats": 2},
+        "config": {
+            "model": {"width": 16, "blocks": 2, "seq": 8},
+            "batch_size": 4,
+            "warmup_steps": 1,
+            "timed_steps": 2,
+            "repeats": 2,
+        },
         "machine": {"before": {"cpu": "x", "cores": 2, "loadavg": None}, "after": {"loadavg": None}},
-        "oversubscribed_stage_counts": [4], "skipped": {}, "results": results,
-        "ratios_vs_torch_1f1b": bench.ratios(results, raw), "errors": [], "seconds": 1.0,
+        "oversubscribed_stage_counts": [4],
+        "skipped": {},
+        "results": results,
+        "ratios_vs_torch_1f1b": bench.ratios(results, raw),
+        "errors": [],
+        "seconds": 1.0,
     }
     report["targets"] = bench.check_targets(report)
     assert report["targets"]["async_pp_2bw_vs_torch_1f1b"]["value"] == pytest.approx(1.3)
@@ -125,8 +148,20 @@ def test_one_real_job(bench, tmp_path):
 @pytest.mark.slow
 def test_quick_run_of_every_variant(bench, tmp_path):
     out = tmp_path / "throughput.json"
-    argv = [*TINY, "--repeats", "1", "--stage-counts", "2", "--microbatch-counts", "2", "--with-corrected",
-            "--out", str(out), "--timeout", "240"]
+    argv = [
+        *TINY,
+        "--repeats",
+        "1",
+        "--stage-counts",
+        "2",
+        "--microbatch-counts",
+        "2",
+        "--with-corrected",
+        "--out",
+        str(out),
+        "--timeout",
+        "240",
+    ]
     report = bench.main(argv)
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
     assert not report["errors"], report["errors"]
@@ -142,8 +177,8 @@ def test_quick_run_of_every_variant(bench, tmp_path):
 
 
 def test_step_overhead_adds_host_time_per_step():
-    from lightning_async_pp.pipeline.schedule import build_schedule
-    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+    from lightning_async_pp.schedule import build_schedule
+    from lightning_async_pp.schedule.simulate import StageCosts, simulate
 
     costs = StageCosts(forward=1.0, backward=2.0)
     single = simulate(build_schedule("1f1b", 1, 4, 5), costs, step_overhead=0.5)
@@ -156,8 +191,8 @@ def test_step_overhead_adds_host_time_per_step():
 
 
 def test_step_sync_costs_2bw_but_not_1f1b():
-    from lightning_async_pp.pipeline.schedule import build_schedule
-    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+    from lightning_async_pp.schedule import build_schedule
+    from lightning_async_pp.schedule.simulate import StageCosts, simulate
 
     costs = StageCosts(forward=1.0, backward=2.0, update=0.5)
     for P, M in ((2, 4), (4, 4), (3, 6)):
@@ -170,15 +205,19 @@ def test_step_sync_costs_2bw_but_not_1f1b():
 
 def test_replay_of_a_trace_gives_back_its_run(bench, tmp_path):
     """A trace written from a simulated run replays to that run's tokens/s; a slower action in it, to less."""
-    from lightning_async_pp.pipeline.schedule import Op, build_schedule
-    from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+    from lightning_async_pp.schedule import Op, build_schedule
+    from lightning_async_pp.schedule.simulate import StageCosts, simulate
 
     args = bench.parse_args(TINY + ["--warmup", "2", "--steps", "3"])  # batch 4 x seq 8
     P, M = 2, 2
-    run = simulate(build_schedule("2bw", P, M, 5), [StageCosts(0.01, 0.02, 0.005), StageCosts(0.012, 0.025, 0.004)],
-                   transfer=0.001)
-    events = [{"name": str(ev.action), "ph": "X", "tid": s, "ts": 1e6 * ev.start, "dur": 1e6 * (ev.end - ev.start)}
-              for s, timeline in enumerate(run.timelines) for ev in timeline]
+    run = simulate(
+        build_schedule("2bw", P, M, 5), [StageCosts(0.01, 0.02, 0.005), StageCosts(0.012, 0.025, 0.004)], transfer=0.001
+    )
+    events = [
+        {"name": str(ev.action), "ph": "X", "tid": s, "ts": 1e6 * ev.start, "dur": 1e6 * (ev.end - ev.start)}
+        for s, timeline in enumerate(run.timelines)
+        for ev in timeline
+    ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     updates = {ev.action.step: ev.end for ev in run.timelines[-1] if ev.action.op is Op.UPDATE}

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fit, loader, random_batches, run_group, run_script, tiny_gpt
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from pipeline_run import make_optimizer
+from test_pipeline_exactness import TIMEOUT, run_pipeline
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.checkpoint import read_index
-from helpers import fit, loader, random_batches, run_group, run_script, tiny_gpt
-from pipeline_run import make_optimizer
-from test_pipeline_exactness import TIMEOUT, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,8 +27,16 @@ def _keys(path) -> set[str]:
 
 
 def _single_device_checkpoint(tmp_path, *, weights_only=False, optimizer="corrected_muon", steps=3, **model):
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(num_microbatches=2), max_steps=steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     module = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer), **model)
     trainer.fit(module, loader(random_batches(steps)))
     path = tmp_path / "model.ckpt"
@@ -63,15 +71,23 @@ def test_weights_only_checkpoint_holds_no_optimizer_state(tmp_path):
 def test_other_schedule_is_refused(tmp_path):
     path, _ = _single_device_checkpoint(tmp_path)
     with pytest.raises(ValueError, match=r"schedule='2bw' run; this run uses schedule='1f1b'.*schedule='2bw'"):
-        fit(tiny_gpt(n_layer=4), random_batches(4), strategy=AsyncPipelineStrategy(schedule="1f1b", num_microbatches=2),
-            ckpt_path=str(path))
+        fit(
+            tiny_gpt(n_layer=4),
+            random_batches(4),
+            strategy=AsyncPipelineStrategy(schedule="1f1b", num_microbatches=2),
+            ckpt_path=str(path),
+        )
 
 
 def test_other_model_is_refused(tmp_path):
     path, _ = _single_device_checkpoint(tmp_path)
     with pytest.raises(ValueError, match=r"another model.*missing from the checkpoint: \['layers.5.*other shapes"):
-        fit(tiny_gpt(n_layer=5, n_embd=48), random_batches(4), strategy=AsyncPipelineStrategy(num_microbatches=2),
-            ckpt_path=str(path))
+        fit(
+            tiny_gpt(n_layer=5, n_embd=48),
+            random_batches(4),
+            strategy=AsyncPipelineStrategy(num_microbatches=2),
+            ckpt_path=str(path),
+        )
 
 
 def test_damaged_shard_is_named(tmp_path):
@@ -79,8 +95,12 @@ def test_damaged_shard_is_named(tmp_path):
     shard = path / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(RuntimeError, match=r"shard .*__0_0\.distcp is truncated"):
-        fit(tiny_gpt(n_layer=4), random_batches(4), strategy=AsyncPipelineStrategy(num_microbatches=2),
-            ckpt_path=str(path))
+        fit(
+            tiny_gpt(n_layer=4),
+            random_batches(4),
+            strategy=AsyncPipelineStrategy(num_microbatches=2),
+            ckpt_path=str(path),
+        )
 
 
 def test_corrupt_shard_content_is_named(tmp_path):
@@ -90,8 +110,12 @@ def test_corrupt_shard_content_is_named(tmp_path):
     data[:4096] = bytes(4096)  # same size, the first records overwritten
     shard.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match=r"__0_0\.distcp.*damaged"):
-        fit(tiny_gpt(n_layer=4, optimizer=make_optimizer("corrected_muon")), random_batches(4),
-            strategy=AsyncPipelineStrategy(num_microbatches=2), ckpt_path=str(path))
+        fit(
+            tiny_gpt(n_layer=4, optimizer=make_optimizer("corrected_muon")),
+            random_batches(4),
+            strategy=AsyncPipelineStrategy(num_microbatches=2),
+            ckpt_path=str(path),
+        )
 
 
 def test_index_that_is_not_a_checkpoint_index_is_not_unpickled(tmp_path):
@@ -105,8 +129,12 @@ def test_index_that_is_not_a_checkpoint_index_is_not_unpickled(tmp_path):
 
     (path / ".metadata").write_bytes(pickle.dumps(Boom()))
     with pytest.raises(RuntimeError, match=r"index .*\.metadata is truncated or corrupt.*posix.system|os.system"):
-        fit(tiny_gpt(n_layer=4), random_batches(4), strategy=AsyncPipelineStrategy(num_microbatches=2),
-            ckpt_path=str(path))
+        fit(
+            tiny_gpt(n_layer=4),
+            random_batches(4),
+            strategy=AsyncPipelineStrategy(num_microbatches=2),
+            ckpt_path=str(path),
+        )
     assert not (tmp_path / "pwned").exists()
 
 
@@ -120,8 +148,16 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", failing_write)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(num_microbatches=2), max_steps=1,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(tiny_gpt(n_layer=4), loader(random_batches(1)))
     with pytest.raises(Exception, match="disk full"):
         trainer.save_checkpoint(path)
@@ -171,8 +207,16 @@ def test_save_killed_midway_is_never_last(tmp_path):
     assert any(n.startswith(".") and n.endswith(".partial") for n in names)
 
     checkpoints = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_last=True, save_top_k=-1)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(num_microbatches=2), max_steps=6,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoints])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints],
+    )
     starts = []
     from lightning.pytorch import Callback
 
@@ -193,7 +237,14 @@ def test_consolidated_checkpoint_gives_the_same_validation_loss(tmp_path):
     """2 stages save; `python -m lightning_async_pp consolidate` writes one file; one device validates it."""
     result, weights = run_pipeline(tmp_path / "run", 2, "2bw", 2, 4, "corrected_muon", "--save-checkpoint")
     out = tmp_path / "model.ckpt"
-    command = [sys.executable, "-m", "lightning_async_pp", "consolidate", str(tmp_path / "run" / "final.ckpt"), str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_async_pp",
+        "consolidate",
+        str(tmp_path / "run" / "final.ckpt"),
+        str(out),
+    ]
     done = run_group(command, TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     consolidated = torch.load(out, weights_only=True)
@@ -204,8 +255,9 @@ def test_consolidated_checkpoint_gives_the_same_validation_loss(tmp_path):
 
     def validation_loss(**load):
         model = tiny_gpt(n_layer=4)
-        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False)
+        trainer = Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        )
         if "state_dict" in load:
             model.load_state_dict(load["state_dict"])
             return trainer.validate(model, loader(random_batches(3, seed=7)), verbose=False)[0]["val/loss"]
@@ -218,8 +270,15 @@ def test_consolidated_checkpoint_gives_the_same_validation_loss(tmp_path):
 
 
 def _checkpoint_run(out, *extra, devices=2):
-    command = [sys.executable, str(Path(__file__).parent / "checkpoint_run.py"), "--devices", str(devices),
-               "--out", str(out), *extra]
+    command = [
+        sys.executable,
+        str(Path(__file__).parent / "checkpoint_run.py"),
+        "--devices",
+        str(devices),
+        "--out",
+        str(out),
+        *extra,
+    ]
     returncode, output = run_script(command, TIMEOUT)
     assert returncode == 0, output[-6000:]
     import json
@@ -230,11 +289,14 @@ def _checkpoint_run(out, *extra, devices=2):
     return json.loads((out / "result.json").read_text()), weights
 
 
-@pytest.mark.parametrize("io", [
-    pytest.param((), id="sync"),
-    pytest.param(("--async-io",), id="lightning-AsyncCheckpointIO", marks=pytest.mark.slow),
-    pytest.param(("--dcp-async",), id="dcp-async_save", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "io",
+    [
+        pytest.param((), id="sync"),
+        pytest.param(("--async-io",), id="lightning-AsyncCheckpointIO", marks=pytest.mark.slow),
+        pytest.param(("--dcp-async",), id="dcp-async_save", marks=pytest.mark.slow),
+    ],
+)
 def test_model_checkpoint_keeps_the_top_two_on_two_stages(tmp_path, io):
     """monitor + save_top_k=2 + save_last on 2 stages: the two best remain, complete; `last` is the final state."""
     from lightning_async_pp.checkpoint import read_tensors

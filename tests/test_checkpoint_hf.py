@@ -19,11 +19,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from safetensors import safe_open  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
 from helpers import run_group, run_script  # noqa: E402
 from hf_models import tiny_causal_lm, token_batches  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 RUNNER = Path(__file__).parent / "hf_run.py"
 TIMEOUT = 420
@@ -38,8 +37,26 @@ def consolidate(checkpoint: Path, out: Path, *extra: str) -> subprocess.Complete
 def test_consolidated_hf_model_loads_with_from_pretrained(tmp_path, family):
     run = tmp_path / "run"
     code, output = run_script(
-        [sys.executable, str(RUNNER), "--family", family, "--devices", "2", "--schedule", "2bw", "--optimizer",
-         "corrected_muon", "--steps", "4", "--val-every", "4", "--save-checkpoint", "--out", str(run)], TIMEOUT,
+        [
+            sys.executable,
+            str(RUNNER),
+            "--family",
+            family,
+            "--devices",
+            "2",
+            "--schedule",
+            "2bw",
+            "--optimizer",
+            "corrected_muon",
+            "--steps",
+            "4",
+            "--val-every",
+            "4",
+            "--save-checkpoint",
+            "--out",
+            str(run),
+        ],
+        TIMEOUT,
     )
     assert code == 0, output[-6000:]
     done = consolidate(run / "final.ckpt", tmp_path / "model.ckpt")

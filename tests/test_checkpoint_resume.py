@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 from test_pipeline_exactness import run_pipeline
 
 STEPS, STOP, M = 24, 12, 4
@@ -65,11 +64,25 @@ def test_resume_at_another_pipeline_shape(tmp_path, runs, save, resume, microbat
     data = ("--global-batches", "2") if replicated else ()
     key = f"P{save[0]}{'-global' if data else ''}"
     straight, straight_weights, _ = runs(f"straight-{key}", save[0], microbatches[0], *_shape(*save), *data)
-    *_, first = runs(f"first-{key}", save[0], microbatches[0], *_shape(*save), *data, "--stop-at", str(STOP),
-                     "--checkpoint-every", str(STOP))
+    *_, first = runs(
+        f"first-{key}",
+        save[0],
+        microbatches[0],
+        *_shape(*save),
+        *data,
+        "--stop-at",
+        str(STOP),
+        "--checkpoint-every",
+        str(STOP),
+    )
     resumed, resumed_weights = _run(
-        tmp_path / "resumed", resume[0], microbatches[1], *_shape(*resume), *data,
-        "--ckpt-path", str(first / "final.ckpt"),
+        tmp_path / "resumed",
+        resume[0],
+        microbatches[1],
+        *_shape(*resume),
+        *data,
+        "--ckpt-path",
+        str(first / "final.ckpt"),
     )
     assert resumed["steps"] == list(range(STOP, STEPS))
     assert len(straight["losses"]) == STEPS
@@ -86,8 +99,12 @@ def test_resume_at_another_pipeline_shape(tmp_path, runs, save, resume, microbat
     loss_diff = max(abs(a - b) for a, b in zip(resumed["losses"], straight["losses"][STOP:]))
     weight_diff = max((resumed_weights[k] - v).abs().max().item() for k, v in straight_weights.items())
     print(f"{save} -> {resume}: max |loss - straight| {loss_diff:.2e}, max |weight - straight| {weight_diff:.2e}")
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][STOP:]),
-                               rtol=loss_tolerance, atol=loss_tolerance)
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]),
+        torch.tensor(straight["losses"][STOP:]),
+        rtol=loss_tolerance,
+        atol=loss_tolerance,
+    )
     assert sorted(resumed_weights) == sorted(straight_weights)
     for name, value in straight_weights.items():
         torch.testing.assert_close(resumed_weights[name], value, rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")

@@ -16,14 +16,30 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from toy_run import run_toy
 
 STEPS, STOP = 10, 5
-COMMON = ("--tie-embedding", "--tie-blocks", "--optimizer", "corrected_muon", "--clip", "0.5", "--microbatches", "3",
-          "--steps", str(STEPS), "--schedule", "2bw", "--muon-ns-float32")
-SHAPES = {"P1": (1, ()), "P2": (2, ("--split-points", "4")), "P2-split": (2, ("--split-points", "3")),
-          "P3": (3, ("--split-points", "2,4"))}
+COMMON = (
+    "--tie-embedding",
+    "--tie-blocks",
+    "--optimizer",
+    "corrected_muon",
+    "--clip",
+    "0.5",
+    "--microbatches",
+    "3",
+    "--steps",
+    str(STEPS),
+    "--schedule",
+    "2bw",
+    "--muon-ns-float32",
+)
+SHAPES = {
+    "P1": (1, ()),
+    "P2": (2, ("--split-points", "4")),
+    "P2-split": (2, ("--split-points", "3")),
+    "P3": (3, ("--split-points", "2,4")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +106,9 @@ def test_tied_model_resumes_at_another_pipeline_shape(tmp_path, uninterrupted, s
     # float32: losses within 9.5e-7, two float32 steps at this loss, weights within 2.4e-7). A copy that resumes
     # without its optimizer state or w[t-1] moves the losses by ~1e-2 within these 5 steps (measured: 1.6e-2 for
     # P2 -> P3) and its copies apart.
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(straight["losses"][STOP:]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(straight["losses"][STOP:]), rtol=1e-6, atol=1e-6
+    )
     for name, value in straight_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
@@ -99,9 +116,10 @@ def test_tied_model_resumes_at_another_pipeline_shape(tmp_path, uninterrupted, s
 def test_a_tied_copy_reads_the_state_saved_under_the_first_name(tmp_path):
     """Saved on one device (one tensor, named ``layers.0.table.weight``), read by a stage that holds only the head:
     the head's copy gets the optimizer state and ``w[t-1]`` of the embedding's name (in one process, no launch)."""
-    from lightning_async_pp import checkpoint as sharded
-    from lightning_async_pp.pipeline.placement import keep_only_layers
     from toy_run import ToyLM
+
+    from lightning_async_pp import checkpoint as sharded
+    from lightning_async_pp.strategy.placement import keep_only_layers
 
     whole = ToyLM(tie_embedding=True)
     aliases = sharded.parameter_aliases(whole)
@@ -122,8 +140,16 @@ def test_a_tied_copy_reads_the_state_saved_under_the_first_name(tmp_path):
     assert "layers.0.table.weight" not in dict(stage.named_parameters())
     stage_optimizer = torch.optim.AdamW(stage.parameters(), lr=0.1)
     stage_previous = {n: torch.zeros_like(p) for n, p in stage.named_parameters()}
-    sharded.load_stage(path, sharded.read_index(path), state_dict=stage.state_dict(), module=stage,
-                       optimizer=stage_optimizer, previous=stage_previous, stage=1, aliases=aliases)
+    sharded.load_stage(
+        path,
+        sharded.read_index(path),
+        state_dict=stage.state_dict(),
+        module=stage,
+        optimizer=stage_optimizer,
+        previous=stage_previous,
+        stage=1,
+        aliases=aliases,
+    )
     table, head = whole.get_parameter("layers.0.table.weight"), stage.get_parameter("layers.4.out.weight")
     assert torch.equal(head, table)
     assert torch.equal(stage_previous["layers.4.out.weight"], previous["layers.0.table.weight"])

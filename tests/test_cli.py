@@ -5,9 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from helpers import run_group
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "configs" / "quickstart.yaml"
@@ -15,10 +14,26 @@ QUICKSTART = ROOT / "examples" / "configs" / "quickstart.yaml"
 
 def run_cli(tmp_path, *extra, timeout=240, launcher=(sys.executable,)):
     command = [
-        *launcher, "-m", "lightning_async_pp", "fit", "--config", str(QUICKSTART),
-        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", "0",
+        *launcher,
+        "-m",
+        "lightning_async_pp",
+        "fit",
+        "--config",
+        str(QUICKSTART),
+        "--trainer.max_steps",
+        "6",
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.limit_val_batches",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        "--trainer.logger.init_args.version",
+        "0",
         *extra,
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -47,7 +62,7 @@ def test_quickstart_logs_every_step(tmp_path):
     assert len(logged["val/perplexity"]) == 2
     # Perplexity is exp(mean token loss).
     for loss, ppl in zip(logged["val/loss"], logged["val/perplexity"]):
-        assert abs(ppl.value - 2.718281828 ** loss.value) / ppl.value < 1e-3
+        assert abs(ppl.value - 2.718281828**loss.value) / ppl.value < 1e-3
 
 
 def test_two_stages_log_the_same_loss_curve_as_one_device(tmp_path):
@@ -74,12 +89,21 @@ def test_optimizer_overlays_build_the_named_optimizers():
     from lightning_async_pp.optim import DelayCorrected, Muon
 
     # The quick start itself (no overlay) shows the method: Muon with the delay correction.
-    expected = {"": ("DelayCorrected", "Muon"), "adamw.yaml": ("AdamW", None), "muon.yaml": ("Muon", None),
-                "adamw_corrected.yaml": ("DelayCorrected", "AdamW"), "muon_corrected.yaml": ("DelayCorrected", "Muon")}
+    expected = {
+        "": ("DelayCorrected", "Muon"),
+        "adamw.yaml": ("AdamW", None),
+        "muon.yaml": ("Muon", None),
+        "adamw_corrected.yaml": ("DelayCorrected", "AdamW"),
+        "muon_corrected.yaml": ("DelayCorrected", "Muon"),
+    }
     for overlay, (outer, inner) in expected.items():
         overlays = ["--config", str(QUICKSTART.parent / overlay)] if overlay else []
         cli = AsyncPipelineCLI(
-            LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            run=False,
             args=["--config", str(QUICKSTART), *overlays, "--trainer.devices", "1", "--trainer.logger", "false"],
         )
         optimizer = cli.model.optimizer_factory(cli.model.named_parameters())
@@ -196,7 +220,9 @@ def test_console_script_exits_non_zero_when_the_run_fails(tmp_path):
 def test_both_entry_points_import_a_model_from_the_current_folder(tmp_path, entry):
     launcher = [console_script()] if entry == "console script" else [sys.executable, "-m", "lightning_async_pp"]
     # Two stages: the second process, started by Lightning's launcher, must find the model file too.
-    result = run_command([*launcher, "fit", "--config", "config.yaml", "--trainer.devices", "2"], tiny_project(tmp_path))
+    result = run_command(
+        [*launcher, "fit", "--config", "config.yaml", "--trainer.devices", "2"], tiny_project(tmp_path)
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     output = result.stdout + result.stderr
     assert "pipeline stage 1/2" in output

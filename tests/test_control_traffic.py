@@ -53,8 +53,19 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, devices
     """SIGTERM reaches one process after step 3; every rank stops before the same later step and runs
     `on_exception` there with `trainer.received_sigterm` set (Lightning would stop the receiving rank alone, or,
     for a rank other than 0, block it in a broadcast inside the signal handler)."""
-    records, output = run(tmp_path, "--devices", str(devices), "--pipeline-size", "2", "--steps", "12",
-                          "--sigterm-rank", str(rank), "--sigterm-step", "3")
+    records, output = run(
+        tmp_path,
+        "--devices",
+        str(devices),
+        "--pipeline-size",
+        "2",
+        "--steps",
+        "12",
+        "--sigterm-rank",
+        str(rank),
+        "--sigterm-step",
+        "3",
+    )
     assert len(records) == devices, output[-4000:]
     stops = [record["stopped_at"] for record in records]
     assert stops[0] is not None and stops == [stops[0]] * devices, (stops, output[-3000:])

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import run_script
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -17,11 +16,25 @@ from conv_run import train  # noqa: E402
 RUNNER = Path(__file__).parent / "conv_run.py"
 
 
-@pytest.mark.parametrize(("dims", "optimizer"), [(1, "muon"), (2, "corrected_muon")], ids=["conv1d-muon", "conv2d-corrected_muon"])
+@pytest.mark.parametrize(
+    ("dims", "optimizer"), [(1, "muon"), (2, "corrected_muon")], ids=["conv1d-muon", "conv2d-corrected_muon"]
+)
 def test_conv_model_on_two_stages_matches_one_device(tmp_path, dims, optimizer):
     steps = 6
-    command = [sys.executable, str(RUNNER), "--devices", "2", "--dims", str(dims), "--optimizer", optimizer,
-               "--steps", str(steps), "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        str(RUNNER),
+        "--devices",
+        "2",
+        "--dims",
+        str(dims),
+        "--optimizer",
+        optimizer,
+        "--steps",
+        str(steps),
+        "--out",
+        str(tmp_path),
+    ]
     returncode, output = run_script(command, 420)
     assert returncode == 0, output[-6000:]
     # Each stage says where its parameters went: both hold a conv kernel, which Muon takes as a matrix.
@@ -47,6 +60,7 @@ def test_a_muon_optimizer_without_muon_parameters_warns_and_the_routing_is_logge
     import warnings
 
     from helpers import ConvClassifier, conv_batches, fit
+
     from lightning_async_pp import AsyncPipelineStrategy
     from lightning_async_pp.optim import Muon
 
@@ -58,6 +72,9 @@ def test_a_muon_optimizer_without_muon_parameters_warns_and_the_routing_is_logge
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(ConvClassifier(optimizer=lambda params: Muon(params)), conv_batches(2),
-            strategy=AsyncPipelineStrategy(num_microbatches=2))
+        fit(
+            ConvClassifier(optimizer=lambda params: Muon(params)),
+            conv_batches(2),
+            strategy=AsyncPipelineStrategy(num_microbatches=2),
+        )
     assert not [w for w in caught if "Muon part" in str(w.message)]

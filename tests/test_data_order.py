@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
-
 from helpers import run_script
 from stage_run import IndexedTokens, sample_ids
+from torch.utils.data import DataLoader, DistributedSampler
 
 RUNNER = Path(__file__).parent / "stage_run.py"
 TIMEOUT = 420
@@ -27,10 +26,24 @@ def test_shuffled_loader_without_seeding_gives_every_stage_the_same_samples(tmp_
     """`DataLoader(shuffle=True)`, no seed_everything, 2 stages, 2 epochs: the first stage (inputs) and the last
     stage (targets) see the same samples in every micro-batch, in the order seeded by 0 and the epoch."""
     steps, per_epoch, microbatches = 4, 2, 2
-    returncode, output = run_script([
-        sys.executable, str(RUNNER), "shuffled", "--devices", "2", "--steps", str(steps),
-        "--epochs-of", str(per_epoch), "--microbatches", str(microbatches), "--out", str(tmp_path),
-    ], TIMEOUT)
+    returncode, output = run_script(
+        [
+            sys.executable,
+            str(RUNNER),
+            "shuffled",
+            "--devices",
+            "2",
+            "--steps",
+            str(steps),
+            "--epochs-of",
+            str(per_epoch),
+            "--microbatches",
+            str(microbatches),
+            "--out",
+            str(tmp_path),
+        ],
+        TIMEOUT,
+    )
     assert returncode == 0, output[-6000:]
     last, first = (json.loads((tmp_path / f"seen_rank{r}.json").read_text()) for r in range(2))  # rank 0: last
     assert len(first) == steps * microbatches
@@ -44,7 +57,7 @@ def test_shuffled_loader_without_seeding_gives_every_stage_the_same_samples(tmp_
 def test_same_order_loader_ignores_the_process_random_state_and_resumes_by_epoch():
     """Two processes with different global random states, and a resumed run that starts in epoch 3, draw the
     same order for the same epoch; worker base seeds too."""
-    from lightning_async_pp.data_order import same_order_loader
+    from lightning_async_pp.strategy.lifecycle import same_order_loader
 
     def order(global_seed: int, epoch: int) -> tuple[list[int], int]:
         torch.manual_seed(global_seed)
@@ -62,7 +75,7 @@ def test_same_order_loader_ignores_the_process_random_state_and_resumes_by_epoch
 
 
 def test_replicas_read_disjoint_shards_in_the_same_order_on_every_stage():
-    from lightning_async_pp.data_order import same_order_loader
+    from lightning_async_pp.strategy.lifecycle import same_order_loader
 
     shards = []
     for replica in range(2):
@@ -79,9 +92,20 @@ def test_replicas_read_disjoint_shards_in_the_same_order_on_every_stage():
 def test_loader_that_differs_per_rank_stops_the_job_in_its_first_micro_batch(tmp_path):
     """Data that depend on the rank cannot be made to agree: the last stage sees that its micro-batch is not the
     one the first stage sent an activation for, and the whole job stops at once with a message."""
-    returncode, output = run_script([
-        sys.executable, str(RUNNER), "differing", "--devices", "2", "--steps", "4", "--out", str(tmp_path),
-    ], TIMEOUT)
+    returncode, output = run_script(
+        [
+            sys.executable,
+            str(RUNNER),
+            "differing",
+            "--devices",
+            "2",
+            "--steps",
+            "4",
+            "--out",
+            str(tmp_path),
+        ],
+        TIMEOUT,
+    )
     assert returncode != 0
     assert "Pipeline stages 0 and 1 read different data for step 0, micro-batch 0" in output, output[-4000:]
     assert "Seed those identically in every process" in output
@@ -90,7 +114,7 @@ def test_loader_that_differs_per_rank_stops_the_job_in_its_first_micro_batch(tmp
 
 
 def test_fingerprint_tells_batches_apart():
-    from lightning_async_pp.pipeline.fingerprint import fingerprint
+    from lightning_async_pp.runtime.fingerprint import fingerprint
 
     torch.manual_seed(0)
     tokens, targets = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))
@@ -123,9 +147,11 @@ def test_seed_everything_workers_seeds_by_replica_not_by_rank(monkeypatch):
     the stages of a pipeline; the strategy seeds them from the replica."""
     from lightning.fabric.utilities.seed import pl_worker_init_function
 
-    from lightning_async_pp.data_order import same_order_loader
+    from lightning_async_pp.strategy.lifecycle import same_order_loader
 
     monkeypatch.setenv("PL_SEED_WORKERS", "1")
-    loader = same_order_loader(DataLoader(IndexedTokens(16), batch_size=4, shuffle=True), seed=0, num_replicas=2, replica=1)
+    loader = same_order_loader(
+        DataLoader(IndexedTokens(16), batch_size=4, shuffle=True), seed=0, num_replicas=2, replica=1
+    )
     assert loader.worker_init_fn.func is pl_worker_init_function
     assert loader.worker_init_fn.keywords == {"rank": 1}

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
-from lightning_async_pp import AsyncPipelineStrategy
 from helpers import fit, global_batches, tiny_gpt
 from pipeline_run import make_optimizer
 from test_pipeline_exactness import run_pipeline
+
+from lightning_async_pp import AsyncPipelineStrategy
 
 
 # Not Muon: torch's Newton-Schulz iteration runs in bfloat16, which turns the replicas' different summation
@@ -21,7 +21,9 @@ def test_two_replicas_of_two_stages_equal_single_device(tmp_path, optimizer):
     torch.set_num_threads(1)
     model = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer))
     # Same micro-batch size as each replica uses: D*M micro-batches of the global batch.
-    ref_losses = fit(model, global_batches(steps, D), strategy=AsyncPipelineStrategy(schedule="2bw", num_microbatches=D * M))
+    ref_losses = fit(
+        model, global_batches(steps, D), strategy=AsyncPipelineStrategy(schedule="2bw", num_microbatches=D * M)
+    )
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     # Replicas sum their gradients in another order than one device does. Where a gradient is zero in exact
     # arithmetic (the attention key bias: softmax ignores it) only rounding noise remains, which Adam
@@ -34,5 +36,9 @@ def test_processes_must_divide_into_pipelines():
     from lightning.pytorch import Trainer
 
     with pytest.raises(Exception, match="multiple of 3"):
-        Trainer(strategy=AsyncPipelineStrategy(pipeline_parallel_size=3, num_microbatches=4),
-                accelerator="cpu", devices=4, logger=False)
+        Trainer(
+            strategy=AsyncPipelineStrategy(pipeline_parallel_size=3, num_microbatches=4),
+            accelerator="cpu",
+            devices=4,
+            logger=False,
+        )

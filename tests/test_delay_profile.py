@@ -1,4 +1,4 @@
-"""Per-stage delay profiles (lightning_async_pp.pipeline.delay_profile) against hand-written loops."""
+"""Per-stage delay profiles (lightning_async_pp.reference.profile) against hand-written loops."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from torch.func import functional_call
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.demos import GPT
-from lightning_async_pp.pipeline.delay_profile import DelayProfile, pipedream_delays, split_into_stages
-from lightning_async_pp.pipeline.delayed import DelayedWeights
+from lightning_async_pp.reference.delayed import DelayedWeights
+from lightning_async_pp.reference.profile import DelayProfile, pipedream_delays, split_into_stages
 
 
 @pytest.fixture(autouse=True)

@@ -1,11 +1,10 @@
 """The strategy's single-device trajectories against independent plain-PyTorch loops."""
 
-
 import pytest
 import torch
+from helpers import fit, flat_weights, random_batches, tiny_gpt
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import fit, flat_weights, random_batches, tiny_gpt
 
 STEPS = 6
 
@@ -56,7 +55,9 @@ def reference_loop(model, batches, make_optimizer, delayed, num_microbatches=1):
 def test_2bw_equals_hand_written_delayed_loop(make_optimizer, num_microbatches):
     batches = random_batches(STEPS)
     reference = tiny_gpt()
-    expected_losses = reference_loop(reference, batches, make_optimizer, delayed=True, num_microbatches=num_microbatches)
+    expected_losses = reference_loop(
+        reference, batches, make_optimizer, delayed=True, num_microbatches=num_microbatches
+    )
 
     model = tiny_gpt(optimizer=make_optimizer)
     strategy = AsyncPipelineStrategy(schedule="2bw", num_microbatches=num_microbatches)
@@ -81,7 +82,9 @@ def test_1f1b_equals_plain_lightning(make_optimizer, num_microbatches):
     batches = random_batches(STEPS)
     plain, piped = tiny_gpt(optimizer=make_optimizer), tiny_gpt(optimizer=make_optimizer)
     plain_losses = fit(plain, batches)
-    piped_losses = fit(piped, batches, strategy=AsyncPipelineStrategy(schedule="1f1b", num_microbatches=num_microbatches))
+    piped_losses = fit(
+        piped, batches, strategy=AsyncPipelineStrategy(schedule="1f1b", num_microbatches=num_microbatches)
+    )
     torch.testing.assert_close(torch.tensor(piped_losses), torch.tensor(plain_losses), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(flat_weights(piped), flat_weights(plain), rtol=1e-6, atol=1e-6)
 

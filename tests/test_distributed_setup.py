@@ -9,14 +9,14 @@ import sys
 import textwrap
 
 import pytest
-
-from lightning_async_pp.distributed import is_loopback
 from helpers import run_group
+
+from lightning_async_pp.strategy.topology import is_loopback
 
 PROBE = textwrap.dedent(
     """
     import datetime, sys, torch, torch.distributed as dist
-    from lightning_async_pp.distributed import barrier, init_process_group
+    from lightning_async_pp.strategy.topology import barrier, init_process_group
     port, plain = int(sys.argv[1]), sys.argv[2] == "plain"
     timeout = datetime.timedelta(seconds=60)
     if plain:
@@ -70,7 +70,7 @@ def test_is_loopback():
 TORCHRUN_PROBE = textwrap.dedent(
     """
     import datetime, os, torch, torch.distributed as dist
-    from lightning_async_pp.distributed import barrier, init_process_group
+    from lightning_async_pp.strategy.topology import barrier, init_process_group
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     init_process_group("gloo", rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                        datetime.timedelta(seconds=60), torch.device("cpu"))
@@ -88,8 +88,14 @@ def test_torchrun_workers_join_the_agents_store(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(TORCHRUN_PROBE)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
     ]
     env = dict(os.environ, PROBE_OUT=str(tmp_path / "sum"))
     result = run_group(command, 120, env=env)

@@ -83,8 +83,15 @@ def blocks(page: Path) -> list[Block]:
             i += 1
         marker = MARKER.match(previous)
         out.append(
-            Block(page, start + 1, lang, "\n".join(body) + "\n", marker.group(1) if marker else None,
-                  (marker.group("args") or "").strip() if marker else "", marker.group("file") if marker else None)
+            Block(
+                page,
+                start + 1,
+                lang,
+                "\n".join(body) + "\n",
+                marker.group(1) if marker else None,
+                (marker.group("args") or "").strip() if marker else "",
+                marker.group("file") if marker else None,
+            )
         )
         previous = ""
         i += 1
@@ -289,4 +296,6 @@ def test_mkdocs_nav_lists_every_page():
     listed = {page for entry in config["nav"] for page in entry.values()}
     pages = {p.name for p in DOCS.glob("*.md")}
     assert pages <= listed, f"pages missing from mkdocs.yml's nav: {sorted(pages - listed)}"
-    assert listed <= pages | BENCHMARK_REPORTS, f"nav entries without a page: {sorted(listed - pages - BENCHMARK_REPORTS)}"
+    assert listed <= pages | BENCHMARK_REPORTS, (
+        f"nav entries without a page: {sorted(listed - pages - BENCHMARK_REPORTS)}"
+    )

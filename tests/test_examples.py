@@ -12,8 +12,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_model.py"
 
 def final_loss(tmp_path, devices: int) -> float:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    result = run_group([sys.executable, EXAMPLE, "--devices", devices, "--max-steps", "12"], 300, cwd=tmp_path,
-                       env=env)
+    result = run_group([sys.executable, EXAMPLE, "--devices", devices, "--max-steps", "12"], 300, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return float(re.search(r"final train/loss: ([0-9.]+)", result.stdout).group(1))
 

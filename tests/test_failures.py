@@ -14,12 +14,24 @@ LIMIT = 120  # seconds: the strategy's timeout in pipeline_run.py is 60 s
 
 
 def run_failing(tmp_path, devices, *extra):
-    command = [sys.executable, str(RUNNER), "--devices", str(devices), "--microbatches", "2", "--steps", "12",
-               "--out", str(tmp_path), *extra]
+    command = [
+        sys.executable,
+        str(RUNNER),
+        "--devices",
+        str(devices),
+        "--microbatches",
+        "2",
+        "--steps",
+        "12",
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     start = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=LIMIT)
     except subprocess.TimeoutExpired:

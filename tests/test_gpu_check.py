@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_cpu_mode_passes_and_reports_every_check(tmp_path):
     out = tmp_path / "check.json"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    done = run_group([sys.executable, ROOT / "scripts" / "gpu_check.py", "--cpu", "--out", out], 1200, cwd=ROOT,
-                     env=env)
+    done = run_group(
+        [sys.executable, ROOT / "scripts" / "gpu_check.py", "--cpu", "--out", out], 1200, cwd=ROOT, env=env
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     report = json.loads(out.read_text())
     rows = report["results"]

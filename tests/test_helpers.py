@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import run_group
 
 # Starts a child that would outlive it (an orphaned rank), prints the child's pid, and exits (or hangs).
@@ -64,6 +63,10 @@ def test_run_group_timeout_kills_every_process_of_the_command(tmp_path):
 
 
 def test_run_group_merges_stderr_in_order(tmp_path):
-    done = run_group([sys.executable, "-c", "import sys; print('a', flush=True); print('b', file=sys.stderr)"], 60,
-                     merge_stderr=True, env=dict(os.environ))
+    done = run_group(
+        [sys.executable, "-c", "import sys; print('a', flush=True); print('b', file=sys.stderr)"],
+        60,
+        merge_stderr=True,
+        env=dict(os.environ),
+    )
     assert done.returncode == 0 and done.stdout.split() == ["a", "b"] and done.stderr == ""

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
-
 from helpers import fit, run_script  # noqa: E402
 from hf_models import adamw, plain_hf_training, sgd, tiny_causal_lm, token_batches  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
 import lightning_async_pp  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
 from lightning_async_pp.models import CausalLM  # noqa: E402
@@ -146,8 +146,17 @@ def assert_same_weights(weights: dict, expected: dict, rtol=1e-5, atol=1e-6) -> 
 def _assert_1f1b_matches_plain_training(tmp_path, devices: int) -> None:
     steps, microbatches = 10, 2
     result, weights, _ = run_pipeline(
-        tmp_path, "--family", "llama", "--devices", str(devices), "--schedule", "1f1b",
-        "--microbatches", str(microbatches), "--steps", str(steps),
+        tmp_path,
+        "--family",
+        "llama",
+        "--devices",
+        str(devices),
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        str(microbatches),
+        "--steps",
+        str(steps),
     )
     twin = hf_twin(materialized("llama"))
     expected = plain_hf_training(twin, token_batches(steps), microbatches)
@@ -171,8 +180,12 @@ def single_device(family: str, schedule: str, microbatches: int, batches, optimi
     from hf_run import make_optimizer
 
     model = tiny_causal_lm(family, optimizer=make_optimizer(optimizer))
-    losses = fit(model, batches, strategy=AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches),
-                 **trainer_kwargs)
+    losses = fit(
+        model,
+        batches,
+        strategy=AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches),
+        **trainer_kwargs,
+    )
     return losses, model
 
 
@@ -180,8 +193,19 @@ def single_device(family: str, schedule: str, microbatches: int, batches, optimi
 def test_2bw_two_stages_equals_the_single_device_delayed_path(tmp_path):
     steps, microbatches = 10, 4
     result, weights, _ = run_pipeline(
-        tmp_path, "--family", "llama", "--devices", "2", "--schedule", "2bw", "--microbatches", str(microbatches),
-        "--steps", str(steps), "--optimizer", "corrected_muon",
+        tmp_path,
+        "--family",
+        "llama",
+        "--devices",
+        "2",
+        "--schedule",
+        "2bw",
+        "--microbatches",
+        str(microbatches),
+        "--steps",
+        str(steps),
+        "--optimizer",
+        "corrected_muon",
     )
     losses, model = single_device("llama", "2bw", microbatches, token_batches(steps))
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
@@ -220,8 +244,23 @@ def test_pretrained_folder_each_stage_reads_only_its_own_tensors(tmp_path):
 def test_padding_and_a_new_sequence_length_after_a_validation_flush(tmp_path):
     """Padded batches; validation after 4 steps flushes the pipeline, then the batches get 8 tokens longer."""
     steps, microbatches = 8, 2
-    args = ["--family", "llama", "--devices", "2", "--schedule", "2bw", "--microbatches", str(microbatches),
-            "--steps", str(steps), "--padding", "--val-every", "4", "--optimizer", "corrected_muon"]
+    args = [
+        "--family",
+        "llama",
+        "--devices",
+        "2",
+        "--schedule",
+        "2bw",
+        "--microbatches",
+        str(microbatches),
+        "--steps",
+        str(steps),
+        "--padding",
+        "--val-every",
+        "4",
+        "--optimizer",
+        "corrected_muon",
+    ]
     result, weights, _ = run_pipeline(tmp_path, *args)
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -239,14 +278,24 @@ def test_padding_and_a_new_sequence_length_after_a_validation_flush(tmp_path):
     model = tiny_causal_lm("llama", optimizer=make_optimizer("corrected_muon"))
     recorder = Recorder()
     Trainer(
-        accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(schedule="2bw", num_microbatches=microbatches),
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=4, check_val_every_n_epoch=None,
+        accelerator="cpu",
+        devices=1,
+        strategy=AsyncPipelineStrategy(schedule="2bw", num_microbatches=microbatches),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
         callbacks=[recorder],
     ).fit(model, DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(recorder.losses), rtol=1e-5, atol=1e-6)
     assert len(result["val_losses"]) == 2
-    torch.testing.assert_close(torch.tensor(result["val_losses"]), torch.tensor(recorder.val_losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(result["val_losses"]), torch.tensor(recorder.val_losses), rtol=1e-5, atol=1e-6
+    )
     assert_same_weights(weights, model.hf_state_dict())
 
 
@@ -258,8 +307,19 @@ def test_tied_gpt2_on_two_stages_equals_plain_hf_training(tmp_path):
     """
     steps, microbatches = 10, 2
     result, weights, _ = run_pipeline(
-        tmp_path, "--family", "gpt2", "--devices", "2", "--schedule", "1f1b", "--microbatches", str(microbatches),
-        "--steps", str(steps), "--optimizer", "sgd",
+        tmp_path,
+        "--family",
+        "gpt2",
+        "--devices",
+        "2",
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        str(microbatches),
+        "--steps",
+        str(steps),
+        "--optimizer",
+        "sgd",
     )
     twin = hf_twin(materialized("gpt2"))
     assert twin.lm_head.weight is twin.transformer.wte.weight
@@ -273,7 +333,6 @@ def test_tied_gpt2_on_two_stages_equals_plain_hf_training(tmp_path):
         assert "transformer.wte.weight" in copy
         assert_same_weights(copy, final)
     assert sorted(weights) == sorted(k for k in final if k != "lm_head.weight")
-
 
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -293,9 +352,22 @@ def test_example_configs_pass_the_cli_validation(name):
 
 @pytest.mark.slow
 def test_llama_tiny_config_trains_on_two_stages(tmp_path):
-    command = [sys.executable, "-m", "lightning_async_pp", "fit", "--config", str(CONFIGS_DIR / "llama_tiny.yaml"),
-               "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3",
-               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_async_pp",
+        "fit",
+        "--config",
+        str(CONFIGS_DIR / "llama_tiny.yaml"),
+        "--trainer.max_steps",
+        "3",
+        "--trainer.limit_val_batches",
+        "2",
+        "--trainer.val_check_interval",
+        "3",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path / "runs"),
+    ]
     returncode, output = run_script(command, TIMEOUT)
     assert returncode == 0, output[-6000:]
     assert "pipeline stage 1/2" in output and list((tmp_path / "runs").rglob("events.out.tfevents*"))

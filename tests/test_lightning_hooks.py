@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fit, loader, random_batches, run_script, tiny_gpt
 from lightning.pytorch import Trainer
+from stage_run import CallbackCounter, hooked_gpt
 from torch import nn
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.pipeline.runtime import StageRuntime
-from helpers import fit, loader, random_batches, run_script, tiny_gpt
-from stage_run import CallbackCounter, hooked_gpt
+from lightning_async_pp.runtime.stage import StageRuntime
 
 RUNNER = Path(__file__).parent / "stage_run.py"
 TIMEOUT = 420
@@ -54,9 +54,16 @@ def test_optimizer_owned_param_group_keys_survive_delayed_updates():
     # One stage with clipping: each update waits for the clipping norm and is applied inside a later step,
     # after the scheduler has moved on (the clip is far above the norm, so it does not change the gradient).
     runtime = StageRuntime(
-        kind="2bw", stage=0, num_stages=1, num_microbatches=2, layers=layers, optimizer=optimizer,
-        inputs_fn=lambda mb: mb[0], loss_fn=lambda out, mb: ((out - mb[1]) ** 2).mean(),
-        device=torch.device("cpu"), clip_grad_norm=1e9,
+        kind="2bw",
+        stage=0,
+        num_stages=1,
+        num_microbatches=2,
+        layers=layers,
+        optimizer=optimizer,
+        inputs_fn=lambda mb: mb[0],
+        loss_fn=lambda out, mb: ((out - mb[1]) ** 2).mean(),
+        device=torch.device("cpu"),
+        clip_grad_norm=1e9,
     )
     steps = 5
     for step in range(steps):
@@ -100,7 +107,13 @@ class CustomClipping(type(tiny_gpt())):
 
 def test_overridden_configure_gradient_clipping_is_refused():
     model = CustomClipping(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, lr_schedule="constant")
-    trainer = Trainer(strategy=AsyncPipelineStrategy(start_method="spawn", num_microbatches=2), accelerator="cpu",
-                      devices=2, logger=False, enable_progress_bar=False, max_steps=1)
+    trainer = Trainer(
+        strategy=AsyncPipelineStrategy(start_method="spawn", num_microbatches=2),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        max_steps=1,
+    )
     with pytest.raises(Exception, match="configure_gradient_clipping.*gradient_clip_val"):
         trainer.fit(model, loader(random_batches(1)))

@@ -23,7 +23,9 @@ def _parameters(function) -> list[str]:
 def test_installed_versions_are_inside_the_declared_bounds():
     requirements = {Requirement(r).name: Requirement(r) for r in PYPROJECT["dependencies"]}
     lightning = requirements["lightning"]
-    assert any(s.operator == "<" for s in lightning.specifier), "lightning needs an upper bound: the strategy uses private APIs"
+    assert any(s.operator == "<" for s in lightning.specifier), (
+        "lightning needs an upper bound: the strategy uses private APIs"
+    )
     assert version("lightning") in lightning.specifier
     assert version("torch").split("+")[0] in requirements["torch"].specifier
     python = ".".join(map(str, sys.version_info[:3]))
@@ -44,7 +46,12 @@ def test_fabric_distributed_helpers():
 def test_launchers():
     from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
-    assert _parameters(_SubprocessScriptLauncher.__init__) == ["self", "cluster_environment", "num_processes", "num_nodes"]
+    assert _parameters(_SubprocessScriptLauncher.__init__) == [
+        "self",
+        "cluster_environment",
+        "num_processes",
+        "num_nodes",
+    ]
     assert _parameters(_MultiProcessingLauncher.__init__)[:3] == ["self", "strategy", "start_method"]
     assert _parameters(_MultiProcessingLauncher._collect_rank_zero_results) == ["self", "trainer", "results"]
     for launcher in (_SubprocessScriptLauncher, _MultiProcessingLauncher):
@@ -61,7 +68,7 @@ def test_sigterm_broadcast_is_a_replaceable_method_called_every_step():
 
 
 def test_sigterm_notifier_is_a_method_in_a_list_of_handlers():
-    # lightning_async_pp.sigterm swaps the connector's notifier (which would broadcast inside the handler and
+    # lightning_async_pp.strategy.metrics swaps the connector's notifier (which would broadcast inside the handler and
     # set the flag every rank checks after its step) for one that only records the signal, in the handler
     # list Lightning installs, and sets `received_sigterm` on the connector where every rank stops.
     from lightning.pytorch import Trainer
@@ -85,13 +92,13 @@ def test_hook_callers():
 
 
 def test_what_the_metrics_relay_reads_and_writes():
-    # lightning_async_pp.metrics reads the step's training metrics from `trainer._results.metrics(on_step)` and
+    # lightning_async_pp.strategy.metrics reads the step's training metrics from `trainer._results.metrics(on_step)` and
     # writes relayed values into the dict `trainer.callback_metrics` returns, which must be the live one.
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-    from lightning_async_pp.metrics import CHECKPOINT_STATE
+    from lightning_async_pp.strategy.metrics import CHECKPOINT_STATE
 
     assert _parameters(_ResultCollection.metrics) == ["self", "on_step"]
     assert set(_ResultCollection.metrics(_ResultCollection(training=True), True)) == {"callback", "log", "pbar"}

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import LossRecorder, loader, random_batches, run_script, tiny_gpt
 from lightning.pytorch import Trainer
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import LossRecorder, loader, random_batches, run_script, tiny_gpt
 
 RUNNER = Path(__file__).parent / "stage_run.py"
 TIMEOUT = 420
@@ -38,9 +38,18 @@ def test_meta_built_gpt_trains_and_validates_like_one_device(tmp_path):
     model = tiny_gpt(n_layer=4)
     recorder = LossRecorder()
     trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(num_microbatches=2), max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=2, val_check_interval=steps, num_sanity_val_steps=0, callbacks=[recorder],
+        accelerator="cpu",
+        devices=1,
+        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2,
+        val_check_interval=steps,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
     )
     trainer.fit(model, loader(random_batches(steps)), loader(random_batches(2, seed=1)))
     losses = recorder.losses

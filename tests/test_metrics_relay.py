@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_async_pp.metrics import INITIAL_CAPACITY, MetricsRelay, reduce_decision
+from lightning_async_pp.strategy.metrics import INITIAL_CAPACITY, MetricsRelay, reduce_decision
 
 # What the last stage logs at each step; step 1 and 2 carry more than the first buffer holds.
 STEPS = [
@@ -45,8 +45,10 @@ def _worker(rank: int, port: int, seen) -> None:
         if rank == 1:
             seen.append(("end", {k: float(v) for k, v in trainer.callback_metrics.items()}))
         # Only the last stage votes: rank 1's opposite vote changes nothing, for `all` and for `any`.
-        decisions = [reduce_decision(rank == 0, all=True, votes=rank == 0, device=torch.device("cpu")),
-                     reduce_decision(rank == 1, all=False, votes=rank == 0, device=torch.device("cpu"))]
+        decisions = [
+            reduce_decision(rank == 0, all=True, votes=rank == 0, device=torch.device("cpu")),
+            reduce_decision(rank == 1, all=False, votes=rank == 0, device=torch.device("cpu")),
+        ]
         if rank == 1:
             seen.append(("decisions", decisions))
     finally:
@@ -73,7 +75,7 @@ def test_relay_delivers_each_step_one_step_late():
 
 
 def encoded(metrics: dict) -> bytes:
-    from lightning_async_pp.metrics import encode
+    from lightning_async_pp.strategy.metrics import encode
 
     return encode({k: torch.tensor(v) for k, v in metrics.items()})
 
@@ -84,7 +86,7 @@ def test_relay_reads_values_from_host_memory_only():
     a CUDA tensor would wait for the device. One process, a group of one, stands for the pipeline."""
     from test_no_sync import count_syncs
 
-    from lightning_async_pp.metrics import decode, encode
+    from lightning_async_pp.strategy.metrics import decode, encode
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -8,16 +8,15 @@ import json
 import sys
 from pathlib import Path
 
+import callbacks_run
 import pytest
 import torch
-
-import callbacks_run
 from helpers import run_script
 from lightning.pytorch import Trainer
 from test_data_parallel import global_batches
 
 import lightning_async_pp  # noqa: F401  (registers strategy="async_pp")
-from lightning_async_pp.pipeline.microbatch import auto_num_microbatches
+from lightning_async_pp.runtime.microbatch import auto_num_microbatches
 
 RUNNER = Path(__file__).parent / "callbacks_run.py"
 TIMEOUT = 600
@@ -56,8 +55,9 @@ def assert_same_callbacks(ranks: list[dict], reference: dict, last_stages: int) 
         assert record["stopping_reason"] == reference["stopping_reason"], where
         # Every rank read the validation loss one device computed, at every validation.
         assert [s for s, _ in record["val_seen"]] == [s for s, _ in reference["val_seen"]], where
-        torch.testing.assert_close([v for _, v in record["val_seen"]], [v for _, v in reference["val_seen"]],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            [v for _, v in record["val_seen"]], [v for _, v in reference["val_seen"]], rtol=1e-5, atol=1e-5
+        )
         # The training loss is there from the first step on (the step's ModelCheckpoint reads it).
         assert record["train_loss_seen_from_step"] == 0, where
         for name in ("val_ckpt", "train_ckpt"):
@@ -85,8 +85,9 @@ def test_monitoring_callbacks_on_two_stages_times_two_replicas_match_one_device(
     ranks = run(tmp_path / "pipeline", "fit", "--devices", "4", "--pipeline-size", "2")
     torch.set_num_threads(1)
     # One device reads the union of the replicas' batches, in as many micro-batches as the replicas together.
-    reference = callbacks_run.fit(1, tmp_path / "reference", batches=global_batches(callbacks_run.STEPS, 2),
-                                  microbatches=4)
+    reference = callbacks_run.fit(
+        1, tmp_path / "reference", batches=global_batches(callbacks_run.STEPS, 2), microbatches=4
+    )
     assert_same_callbacks(ranks, reference, last_stages=2)
     torch.testing.assert_close(lr_column(tmp_path / "pipeline"), lr_column(tmp_path / "reference"))
 

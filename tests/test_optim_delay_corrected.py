@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI, OptimizerCallable
 
 from lightning_async_pp.optim import DelayCorrected, Muon
 
+
 @pytest.fixture(autouse=True)
 def single_thread():
     # The tensors are tiny: a second intra-op thread only adds synchronization, which stalls when the
@@ -351,14 +352,22 @@ def test_trains_inside_lightning_from_a_lightning_cli_config(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text("model:" + YAML_CORRECTED_MUON.replace("\n", "\n  "))
     cli = LightningCLI(
-        TinyModel, run=False, args=["--config", str(config)], save_config_callback=None,
+        TinyModel,
+        run=False,
+        args=["--config", str(config)],
+        save_config_callback=None,
         trainer_defaults={"default_root_dir": str(tmp_path)},
     )
     model = cli.model
     before = model.fc.weight.detach().clone()
     trainer = Trainer(
-        max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path,
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(model, torch.utils.data.DataLoader(torch.randint(0, 7, (12,)), batch_size=4))
     optimizer = trainer.optimizers[0]
@@ -582,8 +591,14 @@ class PerTensorReference:
             self.base.state[param]["previous_update"] = update
 
 
-MIXED = [((6, 4), torch.float32), ((4, 8), torch.bfloat16), ((5,), torch.float64), ((3, 2, 2), torch.float32),
-         ((7,), torch.bfloat16), ((1,), torch.float32)]
+MIXED = [
+    ((6, 4), torch.float32),
+    ((4, 8), torch.bfloat16),
+    ((5,), torch.float64),
+    ((3, 2, 2), torch.float32),
+    ((7,), torch.bfloat16),
+    ((1,), torch.float32),
+]
 
 
 def mixed_params(seed: int = 0) -> list[torch.nn.Parameter]:

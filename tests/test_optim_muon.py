@@ -12,6 +12,7 @@ import torch
 
 from lightning_async_pp.optim import Muon
 
+
 @pytest.fixture(autouse=True)
 def single_thread():
     # The tensors are tiny: a second intra-op thread only adds synchronization, which stalls when the
@@ -43,9 +44,7 @@ def tiny_params(seed: int = 0) -> dict[str, torch.nn.Parameter]:
         "blocks.0.mlp.proj.weight": (16, 8),
         "lm_head.weight": (11, 8),
     }
-    return {
-        name: torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.3) for name, shape in shapes.items()
-    }
+    return {name: torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.3) for name, shape in shapes.items()}
 
 
 def is_hidden(name: str, param: torch.Tensor) -> bool:
@@ -322,8 +321,13 @@ def test_add_param_group_routes_new_parameters():
 def conv_params(seed: int = 0) -> dict[str, torch.nn.Parameter]:
     """A Conv1d and a Conv2d kernel (with biases) and a head matrix."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = {"conv1.weight": (6, 3, 5), "conv1.bias": (6,), "conv2.weight": (4, 6, 3, 3), "conv2.bias": (4,),
-              "fc.weight": (3, 4)}
+    shapes = {
+        "conv1.weight": (6, 3, 5),
+        "conv1.bias": (6,),
+        "conv2.weight": (4, 6, 3, 3),
+        "conv2.bias": (4,),
+        "fc.weight": (3, 4),
+    }
     return {name: torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.3) for name, shape in shapes.items()}
 
 
@@ -334,7 +338,9 @@ def test_conv_kernels_get_muon_on_their_flattened_matrix(adjust_lr_fn):
     ours = Muon(params.items(), **ours_kwargs(adjust_lr_fn=adjust_lr_fn))
     routed = {g["use_muon"]: g["param_names"] for g in ours.param_groups}
     assert routed[True] == ["conv1.weight", "conv2.weight", "fc.weight"]
-    matrices = {n: torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()) for n, p in params.items() if p.ndim >= 2}
+    matrices = {
+        n: torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()) for n, p in params.items() if p.ndim >= 2
+    }
     reference = torch.optim.Muon(matrices.values(), **MUON_KWARGS, adjust_lr_fn=adjust_lr_fn)
     for step in range(4):
         set_grads(params.values(), step)
@@ -391,7 +397,10 @@ def test_muon_kernels_false_keeps_kernels_on_adamw():
 
 def test_tokens_of_more_than_two_dims_with_one_row_stay_on_adamw():
     # A ViT's cls_token (1, 1, D) or pos_embed (1, N, D) is not a kernel, even without a matching name.
-    params = [("cls", torch.nn.Parameter(torch.zeros(1, 1, 8))), ("conv.weight", torch.nn.Parameter(torch.zeros(4, 2, 3)))]
+    params = [
+        ("cls", torch.nn.Parameter(torch.zeros(1, 1, 8))),
+        ("conv.weight", torch.nn.Parameter(torch.zeros(4, 2, 3))),
+    ]
     names = {g["use_muon"]: g["param_names"] for g in Muon(params).param_groups}
     assert names == {True: ["conv.weight"], False: ["cls"]}
 

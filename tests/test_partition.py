@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_async_pp.pipeline.partition import (
+from lightning_async_pp.schedule.partition import (
     balanced_partition,
     count_parameters,
     partition_from_split_points,
@@ -23,10 +23,7 @@ def stage_costs(costs, starts):
 
 def brute_force(costs, num_stages):
     n = len(costs)
-    return min(
-        max(stage_costs(costs, [0, *cuts]))
-        for cuts in itertools.combinations(range(1, n), num_stages - 1)
-    )
+    return min(max(stage_costs(costs, [0, *cuts])) for cuts in itertools.combinations(range(1, n), num_stages - 1))
 
 
 def test_optimal_against_brute_force():

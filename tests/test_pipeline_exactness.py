@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fit, random_batches, run_group, run_script, tiny_gpt
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import fit, random_batches, run_group, run_script, tiny_gpt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_run import make_optimizer  # noqa: E402
@@ -23,8 +23,21 @@ TIMEOUT = 420
 
 def run_pipeline(out: Path, devices: int, schedule: str, microbatches: int, steps: int, optimizer: str, *extra: str):
     command = [
-        sys.executable, str(RUNNER), "--devices", str(devices), "--schedule", schedule,
-        "--microbatches", str(microbatches), "--steps", str(steps), "--optimizer", optimizer, "--out", str(out), *extra,
+        sys.executable,
+        str(RUNNER),
+        "--devices",
+        str(devices),
+        "--schedule",
+        schedule,
+        "--microbatches",
+        str(microbatches),
+        "--steps",
+        str(steps),
+        "--optimizer",
+        optimizer,
+        "--out",
+        str(out),
+        *extra,
     ]
     returncode, output = run_script(command, TIMEOUT)
     assert returncode == 0, output[-6000:]
@@ -167,8 +180,9 @@ def test_spawn_start_method_returns_the_whole_trained_model():
     """With start_method="spawn" the main process gets every stage's trained weights back."""
     import re
 
-    output = run_group([sys.executable, Path(__file__).parent / "spawn_run.py"], TIMEOUT,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    output = run_group(
+        [sys.executable, Path(__file__).parent / "spawn_run.py"], TIMEOUT, env=dict(os.environ, PYTHONWARNINGS="ignore")
+    )
     assert output.returncode == 0, output.stderr[-3000:]
     difference, moved = map(float, re.search(r"MAXDIFF (\S+) MOVED (\S+)", output.stdout).groups())
     assert moved > 1e-3 and difference < 1e-5

@@ -3,14 +3,14 @@ strategy="ddp" and with AsyncPipelineStrategy."""
 
 from __future__ import annotations
 
+import callbacks_run
 import pytest
 import torch
+from test_native import run
 from torch.utils.data import DataLoader, DistributedSampler
 
-import callbacks_run
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 from lightning_async_pp.demos import GPT
-from test_native import run
 
 
 def assert_same_training(ours: dict, theirs: dict) -> None:
@@ -56,8 +56,10 @@ def test_module_trains_with_ddp_as_on_one_device(tmp_path):
 def test_evaluation_steps_follow_the_pipeline_hooks():
     model = callbacks_run.Classifier()
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
-    torch.testing.assert_close(model.predict_step((x, y), 0), model.layers[4](model.layers[3](model.layers[2](
-        model.layers[1](model.layers[0](x))))))
+    torch.testing.assert_close(
+        model.predict_step((x, y), 0),
+        model.layers[4](model.layers[3](model.layers[2](model.layers[1](model.layers[0](x))))),
+    )
     assert GPT.training_step is PipelineModule.training_step and GPT.forward is PipelineModule.forward
 
 

@@ -4,14 +4,14 @@ import time
 
 import pytest
 import torch
+from helpers import tiny_gpt
 from lightning.pytorch import Trainer
 from torch import nn
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.demos import GPT
-from lightning_async_pp.pipeline.partition import count_parameters
-from lightning_async_pp.pipeline.placement import measure_layer_times, partition_layers
-from helpers import tiny_gpt
+from lightning_async_pp.schedule.partition import count_parameters
+from lightning_async_pp.strategy.placement import measure_layer_times, partition_layers
 
 
 def strategy_for(devices, **kwargs):
@@ -111,8 +111,9 @@ def _stage_tensors(root):
 def test_second_reference_to_the_layers_is_replaced_too():
     """An adapter that keeps `self.alias` beside `self.layers` (or a submodule of a layer under another
     name) holds only the stage's own layers after placement."""
-    from lightning_async_pp.pipeline.placement import RemoteLayer, keep_only_layers
     from toy_run import ToyLM
+
+    from lightning_async_pp.strategy.placement import RemoteLayer, keep_only_layers
 
     model = ToyLM(alias=True, tie_embedding=True)
     model.head_norm = model.layers[4].norm  # a module inside a layer, reached by a second path
@@ -122,15 +123,24 @@ def test_second_reference_to_the_layers_is_replaced_too():
     assert _stage_tensors(model) == own  # the tied head weight stays through the embedding only
     assert isinstance(model.alias[3], RemoteLayer) and isinstance(model.head_norm, RemoteLayer)
     assert model.alias[0] is layers[0]
-    assert sorted(model.state_dict()) == ["alias.0.table.weight", "alias.1.down.bias", "alias.1.down.weight",
-                                          "alias.1.up.bias", "alias.1.up.weight", "layers.0.table.weight",
-                                          "layers.1.down.bias", "layers.1.down.weight", "layers.1.up.bias",
-                                          "layers.1.up.weight"]
+    assert sorted(model.state_dict()) == [
+        "alias.0.table.weight",
+        "alias.1.down.bias",
+        "alias.1.down.weight",
+        "alias.1.up.bias",
+        "alias.1.up.weight",
+        "layers.0.table.weight",
+        "layers.1.down.bias",
+        "layers.1.down.weight",
+        "layers.1.up.bias",
+        "layers.1.up.weight",
+    ]
 
 
 def test_a_direct_reference_to_another_stages_tensor_is_refused():
-    from lightning_async_pp.pipeline.placement import keep_only_layers
     from toy_run import ToyLM
+
+    from lightning_async_pp.strategy.placement import keep_only_layers
 
     model = ToyLM()
     model.register_parameter("shortcut", model.layers[3].up.weight)

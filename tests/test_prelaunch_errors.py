@@ -2,17 +2,23 @@
 
 import pytest
 import torch
+from helpers import loader, random_batches, tiny_gpt
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_async_pp import AsyncPipelineStrategy
-from helpers import loader, random_batches, tiny_gpt
 
 
 def trainer(devices=2, **strategy_kwargs):
     strategy_kwargs.setdefault("num_microbatches", 4)
     # "spawn": had a check been missed, workers would run the fit function, not re-run pytest.
-    return Trainer(strategy=AsyncPipelineStrategy(start_method="spawn", **strategy_kwargs), accelerator="cpu",
-                   devices=devices, logger=False, enable_progress_bar=False, max_steps=1)
+    return Trainer(
+        strategy=AsyncPipelineStrategy(start_method="spawn", **strategy_kwargs),
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        max_steps=1,
+    )
 
 
 class NoContract(LightningModule):
@@ -38,8 +44,14 @@ def test_split_points_out_of_range():
 
 def test_fp16_is_refused():
     # On CPU Lightning turns "16-mixed" into bf16 itself; "16-true" stays fp16.
-    t = Trainer(strategy=AsyncPipelineStrategy(start_method="spawn", num_microbatches=4), accelerator="cpu",
-                devices=2, logger=False, precision="16-true", max_steps=1)
+    t = Trainer(
+        strategy=AsyncPipelineStrategy(start_method="spawn", num_microbatches=4),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        precision="16-true",
+        max_steps=1,
+    )
     with pytest.raises(Exception, match="bf16-mixed"):
         t.fit(tiny_gpt(), loader(random_batches(1)))
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ties import print_differences
 from torch import nn
+from toy_run import Block, Embed, Head, reference_toy, run_toy
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.pipeline.recompute import checkpoint_layers, select_layers
-from test_ties import print_differences
-from toy_run import Block, Embed, Head, reference_toy, run_toy
+from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 BASE = ("--schedule", "2bw", "--microbatches", "2", "--split-points", "2")

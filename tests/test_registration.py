@@ -2,13 +2,12 @@ import importlib
 
 import pytest
 import yaml
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_async_pp
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.cli import AsyncPipelineCLI
-from lightning.pytorch import LightningDataModule, LightningModule
 
 
 def test_registered_on_import_and_idempotent():
@@ -42,8 +41,12 @@ def test_yaml_class_path_sets_arguments(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = AsyncPipelineCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-        args=["--config", str(path)], run=False,
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=["--config", str(path)],
+        run=False,
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AsyncPipelineStrategy)

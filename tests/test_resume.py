@@ -1,9 +1,7 @@
 """Checkpoints restore the exact trajectory (damaged or mismatched ones: tests/test_checkpoint.py)."""
 
-
 import pytest
 import torch
-
 from test_pipeline_exactness import run_pipeline
 
 

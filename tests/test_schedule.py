@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from lightning_async_pp.pipeline.schedule import (
+from lightning_async_pp.schedule import (
     SCHEDULES,
     Action,
     Op,
@@ -20,7 +20,7 @@ from lightning_async_pp.pipeline.schedule import (
     validate,
     weight_buffer,
 )
-from lightning_async_pp.pipeline.simulate import StageCosts, simulate
+from lightning_async_pp.schedule.simulate import StageCosts, simulate
 
 
 def configs():
@@ -200,9 +200,7 @@ def test_1f1b_order_by_hand():
 def test_communication_lowering_by_hand():
     seg = step_actions("2bw", 3, 3, stage=1, step=0)
     # Stage 1: W = 1; receive before each F/B, send right after it, update after the send.
-    assert [str(a) for a in seg] == (
-        "1RF0 1F0 1SF0 1RF1 1F1 1SF1 1RB0 1B0 1SB0 1RF2 1F2 1SF2 1RB1 1B1 1SB1".split()
-    )
+    assert [str(a) for a in seg] == ("1RF0 1F0 1SF0 1RF1 1F1 1SF1 1RB0 1B0 1SB0 1RF2 1F2 1SF2 1RB1 1B1 1SB1".split())
     first, last = step_actions("2bw", 3, 3, 0, 0), step_actions("2bw", 3, 3, 2, 0)
     assert not any(a.op in (Op.RECV_F, Op.SEND_B) for a in first)
     assert not any(a.op in (Op.SEND_F, Op.RECV_B) for a in last)

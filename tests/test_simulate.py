@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from lightning_async_pp.pipeline.schedule import Action, Op, build_schedule, stage_footprint
-from lightning_async_pp.pipeline.simulate import DeadlockError, StageCosts, plot_gantt, render_gantt, simulate
+from lightning_async_pp.schedule import Action, Op, build_schedule, stage_footprint
+from lightning_async_pp.schedule.simulate import DeadlockError, StageCosts, plot_gantt, render_gantt, simulate
 
 EQUAL = StageCosts(forward=1.0, backward=1.0)
 REALISTIC = StageCosts(forward=1.0, backward=2.0)

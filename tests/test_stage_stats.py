@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.pipeline.runtime import StepStats
-from lightning_async_pp.stage_stats import STAGE_STATS_HISTORY, StageStatistics
+from lightning_async_pp.runtime.stage import StepStats
+from lightning_async_pp.strategy.stage_stats import STAGE_STATS_HISTORY, StageStatistics
 
 
 class Logger:

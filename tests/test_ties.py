@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from toy_run import ToyLM, reference_toy, run_toy
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -93,8 +92,17 @@ def test_tied_model_built_on_meta_and_checkpoint(tmp_path):
 def test_tied_model_on_two_replicas_of_two_stages(tmp_path):
     args, steps, D = ("--schedule", "2bw", "--microbatches", "2", *TIES), 6, 2
     result, weights, tied = run_toy(
-        tmp_path, 4, *args, "--split-points", "3", "--pipeline-size", "2", "--steps", str(steps),
-        "--total-steps", str(steps * D),
+        tmp_path,
+        4,
+        *args,
+        "--split-points",
+        "3",
+        "--pipeline-size",
+        "2",
+        "--steps",
+        str(steps),
+        "--total-steps",
+        str(steps * D),
     )
     ref_losses, ref_weights, model = reference_replicated(args, steps, D)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), **TOL)
@@ -105,16 +113,20 @@ def test_tied_model_on_two_replicas_of_two_stages(tmp_path):
 
 def reference_replicated(args, steps, replicas):
     """One device on the global batch (the replicas' shards side by side), D*M micro-batches."""
-    from torch.utils.data import DistributedSampler
-
     from helpers import fit, random_batches
-    from lightning_async_pp import AsyncPipelineStrategy
+    from torch.utils.data import DistributedSampler
     from toy_run import _parser, model_kwargs
+
+    from lightning_async_pp import AsyncPipelineStrategy
 
     parsed = _parser().parse_args(["--out", "unused", *args])
     items = random_batches(steps * replicas, batch_size=6, block=8)
-    shards = [list(DistributedSampler(items, num_replicas=replicas, rank=r, shuffle=True, seed=0)) for r in range(replicas)]
-    batches = [tuple(torch.cat([items[shards[r][t]][k] for r in range(replicas)]) for k in range(2)) for t in range(steps)]
+    shards = [
+        list(DistributedSampler(items, num_replicas=replicas, rank=r, shuffle=True, seed=0)) for r in range(replicas)
+    ]
+    batches = [
+        tuple(torch.cat([items[shards[r][t]][k] for r in range(replicas)]) for k in range(2)) for t in range(steps)
+    ]
     torch.set_num_threads(1)
     model = ToyLM(**model_kwargs(parsed))
     strategy = AsyncPipelineStrategy(schedule=parsed.schedule, num_microbatches=replicas * parsed.microbatches)
@@ -124,9 +136,10 @@ def reference_replicated(args, steps, replicas):
 
 def test_demo_gpt_with_tied_weights_on_two_stages_equals_one_device(tmp_path):
     from helpers import fit, random_batches, tiny_gpt
-    from lightning_async_pp import AsyncPipelineStrategy
     from pipeline_run import make_optimizer
     from test_pipeline_exactness import run_pipeline
+
+    from lightning_async_pp import AsyncPipelineStrategy
 
     # SGD: the attention key bias has a zero gradient in exact arithmetic, and Adam would turn the rounding
     # noise of the tied gradient's other summation order into lr-sized steps (see test_data_parallel).
@@ -146,8 +159,19 @@ def test_tied_copies_in_differently_named_groups_are_refused(tmp_path):
     from helpers import run_script
 
     args = ("--schedule", "2bw", "--microbatches", "2", "--tie-embedding", "--optimizer", "adamw_by_name")
-    command = [sys.executable, str(Path(__file__).parent / "toy_run.py"), "--devices", "2", "--out", str(tmp_path),
-               "--split-points", "3", "--steps", "2", *args]
+    command = [
+        sys.executable,
+        str(Path(__file__).parent / "toy_run.py"),
+        "--devices",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--split-points",
+        "3",
+        "--steps",
+        "2",
+        *args,
+    ]
     code, output = run_script(command, 240)
     assert code != 0
     assert "layers.0.table.weight = layers.4.out.weight" in output, output[-3000:]

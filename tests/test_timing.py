@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import torch
+from test_transfers import RecordingChannel
 from torch import nn
 
-from lightning_async_pp.pipeline.runtime import StageRuntime
-from test_transfers import RecordingChannel
+from lightning_async_pp.runtime.stage import StageRuntime
 
 
 def middle_stage(**kwargs) -> StageRuntime:
     runtime = StageRuntime(
-        kind="2bw", stage=1, num_stages=3, num_microbatches=3, layers=[nn.Linear(4, 4)], optimizer=None,
-        inputs_fn=lambda mb: mb, loss_fn=lambda out, mb: out.sum(), device=torch.device("cpu"), prev_rank=0,
-        next_rank=2, check_data_order=False, **kwargs,
+        kind="2bw",
+        stage=1,
+        num_stages=3,
+        num_microbatches=3,
+        layers=[nn.Linear(4, 4)],
+        optimizer=None,
+        inputs_fn=lambda mb: mb,
+        loss_fn=lambda out, mb: out.sum(),
+        device=torch.device("cpu"),
+        prev_rank=0,
+        next_rank=2,
+        check_data_order=False,
+        **kwargs,
     )
     runtime.optimizer = torch.optim.SGD(runtime.params.values(), lr=0.1)
     log: list = []

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_async_pp.pipeline.runtime import StageRuntime
-from lightning_async_pp.pipeline.schedule import (
+from lightning_async_pp.runtime.stage import StageRuntime
+from lightning_async_pp.schedule import (
     SCHEDULES,
     check_transfers,
     drain_actions,
@@ -67,8 +67,16 @@ def test_eager_prefetch_deadlocks_under_the_model(kind, P):
 def test_model_catches_crossed_sends():
     """Both neighbours sending before receiving, unbatched, with rendezvous sends: the classic NCCL hang."""
     link = (0, 1)
-    a = [("post", (("S", link, ("F", 0, 0)),)), ("post", (("R", link, ("B", 0, 0)),)), ("wait", ("R", link, ("B", 0, 0)))]
-    b = [("post", (("S", link, ("B", 0, 0)),)), ("post", (("R", link, ("F", 0, 0)),)), ("wait", ("R", link, ("F", 0, 0)))]
+    a = [
+        ("post", (("S", link, ("F", 0, 0)),)),
+        ("post", (("R", link, ("B", 0, 0)),)),
+        ("wait", ("R", link, ("B", 0, 0))),
+    ]
+    b = [
+        ("post", (("S", link, ("B", 0, 0)),)),
+        ("post", (("R", link, ("F", 0, 0)),)),
+        ("wait", ("R", link, ("F", 0, 0))),
+    ]
     with pytest.raises(AssertionError, match="deadlock"):
         check_transfers([a, b], rendezvous=True)
     check_transfers([a, b], rendezvous=False)  # buffered sends would pass
@@ -133,10 +141,18 @@ def test_runtime_posts_what_the_model_checks(kind, P, M):
     for stage in range(P):
         log: list = []
         runtime = StageRuntime(
-            kind=kind, stage=stage, num_stages=P, num_microbatches=M, layers=[nn.Linear(width, width)],
-            optimizer=None, inputs_fn=lambda mb: mb, loss_fn=lambda out, mb: out.pow(2).mean(),
-            device=torch.device("cpu"), prev_rank=stage - 1 if stage else None,
-            next_rank=stage + 1 if stage < P - 1 else None, check_finite=False,
+            kind=kind,
+            stage=stage,
+            num_stages=P,
+            num_microbatches=M,
+            layers=[nn.Linear(width, width)],
+            optimizer=None,
+            inputs_fn=lambda mb: mb,
+            loss_fn=lambda out, mb: out.pow(2).mean(),
+            device=torch.device("cpu"),
+            prev_rank=stage - 1 if stage else None,
+            next_rank=stage + 1 if stage < P - 1 else None,
+            check_finite=False,
             check_data_order=False,  # the recording channels carry activations only
         )
         runtime.optimizer = torch.optim.SGD(runtime.params.values(), lr=0.1)

@@ -87,8 +87,16 @@ class ToyLM(LightningModule):
         optimizer: ``"adamw"``, ``"adamw_by_name"`` (no weight decay for parameters named ``*table*``), or a name ``pipeline_run.make_optimizer`` knows (``"corrected_muon"``, ...).
     """
 
-    def __init__(self, n_blocks: int = 3, tie_embedding: bool = False, tie_blocks: bool = False,
-                 recompute: bool = False, alias: bool = False, lr: float = 1e-2, optimizer: str = "adamw") -> None:
+    def __init__(
+        self,
+        n_blocks: int = 3,
+        tie_embedding: bool = False,
+        tie_blocks: bool = False,
+        recompute: bool = False,
+        alias: bool = False,
+        lr: float = 1e-2,
+        optimizer: str = "adamw",
+    ) -> None:
         super().__init__()
         self.lr = lr
         self.optimizer_name = optimizer
@@ -147,10 +155,13 @@ class ToyLM(LightningModule):
         if self.optimizer_name == "adamw_by_name":
             # The common "no decay for embeddings" grouping by name: a stage sees only its own layers' names.
             named = list(self.named_parameters())
-            return torch.optim.AdamW([
-                {"params": [p for n, p in named if "table" in n], "weight_decay": 0.0},
-                {"params": [p for n, p in named if "table" not in n], "weight_decay": 0.1},
-            ], lr=self.lr)
+            return torch.optim.AdamW(
+                [
+                    {"params": [p for n, p in named if "table" in n], "weight_decay": 0.0},
+                    {"params": [p for n, p in named if "table" not in n], "weight_decay": 0.1},
+                ],
+                lr=self.lr,
+            )
         from pipeline_run import make_optimizer
 
         return make_optimizer(self.optimizer_name)(self.parameters())
@@ -186,8 +197,14 @@ class Recorder(Callback):
 
 
 def model_kwargs(args) -> dict:
-    return dict(n_blocks=args.blocks, tie_embedding=args.tie_embedding, tie_blocks=args.tie_blocks,
-                recompute=args.recompute, alias=args.alias, optimizer=args.optimizer)
+    return dict(
+        n_blocks=args.blocks,
+        tie_embedding=args.tie_embedding,
+        tie_blocks=args.tie_blocks,
+        recompute=args.recompute,
+        alias=args.alias,
+        optimizer=args.optimizer,
+    )
 
 
 def strategy_kwargs(args) -> dict:
@@ -243,11 +260,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--split-points", default=None)
     parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--optimizer", default="adamw")
-    parser.add_argument("--checkpoint-at", type=int, default=None,
-                        help="ModelCheckpoint saves DIR/at-{step}.ckpt after this many steps (and the run goes on)")
+    parser.add_argument(
+        "--checkpoint-at",
+        type=int,
+        default=None,
+        help="ModelCheckpoint saves DIR/at-{step}.ckpt after this many steps (and the run goes on)",
+    )
     parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
-    parser.add_argument("--muon-ns-float32", action="store_true",
-                        help="Muon's Newton-Schulz in float32 (results that do not depend on the CPU's bfloat16)")
+    parser.add_argument(
+        "--muon-ns-float32",
+        action="store_true",
+        help="Muon's Newton-Schulz in float32 (results that do not depend on the CPU's bfloat16)",
+    )
     parser.add_argument("--out", required=True)
     return parser
 
@@ -269,12 +293,28 @@ def _run(args: argparse.Namespace) -> None:
     if args.checkpoint_at:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=args.out, filename="at-{step}", auto_insert_metric_name=False,
-                                         every_n_train_steps=args.checkpoint_at, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.out,
+                filename="at-{step}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=args.checkpoint_at,
+                save_top_k=-1,
+            )
+        )
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=bool(args.checkpoint_at), enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, gradient_clip_val=args.clip,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=bool(args.checkpoint_at),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        gradient_clip_val=args.clip,
     )
     with trainer.init_module(empty_init=args.meta):
         model = ToyLM(**model_kwargs(args))

@@ -97,10 +97,21 @@ def train(devices: int, schedule: str, microbatches: int, steps: int, split_poin
     model = TupleLM()
     recorder = LossRecorder()
     trainer = Trainer(
-        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        strategy=AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches, split_points=split_points,
-                                       timeout=__import__("datetime").timedelta(seconds=120)),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        strategy=AsyncPipelineStrategy(
+            schedule=schedule,
+            num_microbatches=microbatches,
+            split_points=split_points,
+            timeout=__import__("datetime").timedelta(seconds=120),
+        ),
         callbacks=[recorder],
     )
     trainer.fit(model, loader(random_batches(steps)))

@@ -29,7 +29,9 @@ def read_corpus(path: str | Path) -> bytes:
         if not files:
             raise FileNotFoundError(f"No text files ({', '.join(TEXT_SUFFIXES)}) found under {path}.")
         return b"\n\n".join(p.read_bytes() for p in files)
-    raise FileNotFoundError(f"Text corpus {path} does not exist. Set `data.path` to a file or folder, or leave it unset.")
+    raise FileNotFoundError(
+        f"Text corpus {path} does not exist. Set `data.path` to a file or folder, or leave it unset."
+    )
 
 
 class ByteWindows(Dataset):

@@ -2,10 +2,10 @@
 
 The model is a flat sequence of layers, ``[Embedding, Block, ..., Block, Head]``, each a module that maps
 one tensor to one tensor. That is the whole pipeline contract (see
-:mod:`lightning_async_pp.pipeline.contract`): a pipeline places consecutive layers on consecutive stages and
+:mod:`lightning_async_pp.runtime.contract`): a pipeline places consecutive layers on consecutive stages and
 streams activations between them. With ``tie_weights=True`` the output head reuses the token embedding
 matrix, as GPT-2 does; the two usually land on the first and the last stage, which then each keep a copy
-that the strategy keeps identical (see :mod:`lightning_async_pp.pipeline.ties`).
+that the strategy keeps identical (see :mod:`lightning_async_pp.runtime.ties`).
 
 Every layer is initialised from its own seed (``init_seed + layer index``), so a stage that builds only its
 own layers gets exactly the weights the whole model would have.
@@ -193,7 +193,9 @@ class GPT(PipelineModule):
     def pipeline_test_step(self, output: Tensor, batch: Batch, batch_idx: int) -> None:
         self.evaluation_metrics("test", self.test_loss, self.test_perplexity, output, batch)
 
-    def evaluation_metrics(self, prefix: str, loss: MeanMetric, perplexity: Perplexity, logits: Tensor, batch: Batch) -> None:
+    def evaluation_metrics(
+        self, prefix: str, loss: MeanMetric, perplexity: Perplexity, logits: Tensor, batch: Batch
+    ) -> None:
         """Update and log ``{prefix}/loss`` (per token) and ``{prefix}/perplexity`` from the logits of one batch."""
         loss.update(self.pipeline_loss(logits, batch), weight=batch[1].numel())
         perplexity.update(logits.float(), batch[1])

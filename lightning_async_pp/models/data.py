@@ -24,7 +24,9 @@ def tokenize(text: bytes, tokenizer: str | None) -> tuple[Tensor, int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False, return_attention_mask=False)[
+        "input_ids"
+    ]
     return torch.tensor(ids, dtype=torch.long), len(tok)
 
 

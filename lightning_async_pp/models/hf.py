@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
 from lightning_async_pp.demos.gpt import log_lr_and_throughput, with_lr_schedule
-from lightning_async_pp.meta_init import MetaLayers
-from lightning_async_pp.pipeline.contract import run_layers
+from lightning_async_pp.runtime.contract import run_layers
+from lightning_async_pp.strategy.placement import MetaLayers
 
 try:
     from safetensors import safe_open
@@ -41,7 +41,7 @@ try:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "lightning_async_pp.models needs Hugging Face transformers: pip install \"lightning-async-pp[hf]\" "
+        'lightning_async_pp.models needs Hugging Face transformers: pip install "lightning-async-pp[hf]" '
         f"(transformers {'>=5.24,<5.25'}). ({error})"
     ) from error
 
@@ -124,7 +124,10 @@ class BatchContext:
                 attention_mask = attention_mask.view(hidden.shape[0], -1)
             make_mask = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             self._values[kind] = make_mask(
-                config=layer.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                config=layer.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=None,
                 position_ids=position_ids,
             )
         rotary = None
@@ -153,7 +156,11 @@ class DecoderLayer(nn.Module):
     reads_batch = True
 
     def __init__(
-        self, layer: nn.Module, rotary_emb: nn.Module | None, config: Any, attention_type: str,
+        self,
+        layer: nn.Module,
+        rotary_emb: nn.Module | None,
+        config: Any,
+        attention_type: str,
         context: BatchContext | None = None,
     ) -> None:
         super().__init__()
@@ -362,15 +369,15 @@ class CausalLM(LightningModule):
         # which are the only registered owners of the parameters (a stage drops the layers it does not run).
         self._hf = [model]
         self.hf_config = model.config
-        self.tied = bool(self.hf_config.tie_word_embeddings) if hasattr(self.hf_config, "tie_word_embeddings") else False
+        self.tied = (
+            bool(self.hf_config.tie_word_embeddings) if hasattr(self.hf_config, "tie_word_embeddings") else False
+        )
         self.tied = self.tied and model.lm_head.weight is model.get_input_embeddings().weight
         self.layers = nn.ModuleList(_split(model))
         hf_names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             hf_names.setdefault(id(param), []).append(name)
-        self._hf_names = {
-            name: hf_names[id(param)] for name, param in self.named_parameters(remove_duplicate=False)
-        }
+        self._hf_names = {name: hf_names[id(param)] for name, param in self.named_parameters(remove_duplicate=False)}
         self._batch_start: float | None = None
 
     # --- names -------------------------------------------------------------------------------------------
@@ -451,7 +458,9 @@ class CausalLM(LightningModule):
         for tensor in keep:
             del tensor._is_hf_initialized
         if shadow is not layer:
-            for target, source in zip((*layer.parameters(), *layer.buffers()), (*shadow.parameters(), *shadow.buffers())):
+            for target, source in zip(
+                (*layer.parameters(), *layer.buffers()), (*shadow.parameters(), *shadow.buffers())
+            ):
                 target.copy_(source)
         if self.tied and isinstance(layer, Embedding) and isinstance(self.layers[-1], Head):
             self._retie(self.layers[-1])

@@ -16,9 +16,9 @@ AUTO = "auto"
 LOOKAHEAD_KEY = "lookahead"
 """``coefficient="auto"``: the coefficient applied to a parameter's previous update (a 0-d tensor)."""
 ALIGNMENT_KEY = "update_alignment"
-"""``coefficient="auto"``: running average of the parameter's :math:`\langle u_t, u_{t-1} \rangle` (0-d tensor)."""
+"""``coefficient="auto"``: running average of the parameter's :math:`\\langle u_t, u_{t-1} \rangle` (0-d tensor)."""
 SQUARE_KEY = "update_square"
-"""``coefficient="auto"``: running average of the parameter's :math:`\|u_{t-1}\|^2` (0-d tensor)."""
+r"""``coefficient="auto"``: running average of the parameter's :math:`\|u_{t-1}\|^2` (0-d tensor)."""
 AUTO_DECAY = 0.9
 """Decay of the running averages of ``coefficient="auto"`` (about ten steps of memory)."""
 AUTO_MAX = 1.0
@@ -242,7 +242,7 @@ def _auto_correct(
 
     On entry ``params`` hold the base optimizer's new weights, ``updates`` :math:`u_t` and ``previous``
     :math:`u_{t-1}`. Each tensor's :math:`c_t` is the least-squares slope of its update on its previous one,
-    :math:`\langle u_t, u_{t-1}\rangle / \|u_{t-1}\|^2`, from running averages, in [0, AUTO_MAX]. Per tensor
+    :math:`\\langle u_t, u_{t-1}\rangle / \\|u_{t-1}\\|^2`, from running averages, in [0, AUTO_MAX]. Per tensor
     rather than per group, so that a pipeline stage, which holds whole tensors, computes what one device would.
     Everything stays on the device (no host synchronization).
     """

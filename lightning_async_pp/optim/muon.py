@@ -27,7 +27,9 @@ token/position embeddings and output heads in the usual naming schemes (nanoGPT,
 project's demo GPT)."""
 
 
-def newton_schulz_float32(grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float) -> Tensor:
+def newton_schulz_float32(
+    grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> Tensor:
     """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products."""
     a, b, c = ns_coefficients
     x = grad.float()
@@ -341,8 +343,14 @@ class Muon(Optimizer):
         """Where the parameters went: per part the number of tensors and of elements, the number of kernels
         on Muon, and the names of the matrices and kernels on AdamW (``"#i"`` for unnamed tensors, ``i``
         counting over all of this optimizer's parameters)."""
-        out: dict[str, Any] = {"muon_tensors": 0, "muon_numel": 0, "muon_kernels": 0, "adamw_tensors": 0,
-                               "adamw_numel": 0, "adamw_matrices": []}
+        out: dict[str, Any] = {
+            "muon_tensors": 0,
+            "muon_numel": 0,
+            "muon_kernels": 0,
+            "adamw_tensors": 0,
+            "adamw_numel": 0,
+            "adamw_matrices": [],
+        }
         index = 0
         for group in self.param_groups:
             names = group.get("param_names", [None] * len(group["params"]))

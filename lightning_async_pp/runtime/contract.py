@@ -22,7 +22,7 @@ the loss of the whole batch. Two methods are optional:
 the ``*_step`` methods from this contract, so the module runs unchanged without the strategy.
 
 What a layer returns may be several tensors: a tuple, a list or a dict with string keys. They travel to the
-next stage together, in one message (:mod:`lightning_async_pp.pipeline.activations`); the floating-point
+next stage together, in one message (:mod:`lightning_async_pp.runtime.activations`); the floating-point
 ones that require grad get their gradients back, the others (token ids, masks) travel forward only.
 
 A layer that needs more than the previous layer's output (attention masks, position ids) may read the
@@ -70,7 +70,7 @@ def require_pipeline_module(module: Any, reason: str) -> None:
             f"{type(module).__name__} does not implement the pipeline contract ({reason}): it lacks "
             f"{', '.join(missing)}. Define `pipeline_layers()`, `pipeline_inputs(batch)` and "
             "`pipeline_loss(output, batch)` on your LightningModule; see "
-            "`lightning_async_pp.pipeline.contract` and docs/user-guide.md."
+            "`lightning_async_pp.runtime.contract` and docs/user-guide.md."
         )
 
 

@@ -1,6 +1,6 @@
 """Executes one stage's schedule: forwards, backwards, transfers and weight updates.
 
-The runtime is an interpreter for the action lists of :mod:`lightning_async_pp.pipeline.schedule`; it
+The runtime is an interpreter for the action lists of :mod:`lightning_async_pp.schedule`; it
 knows nothing of Lightning. One process runs one :class:`StageRuntime`.
 
 Weight versions. Each stage keeps ``num_buffers`` copies of its trainable parameters (two for ``"2bw"``,
@@ -15,7 +15,7 @@ parameters again then, so every backward runs under the same re-parametrization 
 recompute sees the micro-batch's version, never the newest one.
 
 Tied weights. A parameter that layers of several stages share has a copy on each of them; ``ties`` sums
-their gradients before each update (see :mod:`lightning_async_pp.pipeline.ties`), so the copies stay equal.
+their gradients before each update (see :mod:`lightning_async_pp.runtime.ties`), so the copies stay equal.
 
 Update timing. ``UPDATE(t)`` runs as soon as the stage's last backward of step ``t`` is done. With
 gradient clipping, the global norm needs every stage's share, so the stage posts a non-blocking
@@ -39,14 +39,15 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim import Optimizer
 
-from lightning_async_pp.pipeline import activations
-from lightning_async_pp.pipeline.activations import Spec
-from lightning_async_pp.pipeline.comm import Channel
-from lightning_async_pp.pipeline.contract import Stage
-from lightning_async_pp.pipeline.fingerprint import FingerprintCheck, fingerprint
-from lightning_async_pp.pipeline.host_flag import HostFlag
-from lightning_async_pp.pipeline.microbatch import split_microbatches
-from lightning_async_pp.pipeline.schedule import (
+from lightning_async_pp.runtime import activations
+from lightning_async_pp.runtime.activations import Spec
+from lightning_async_pp.runtime.comm import Channel
+from lightning_async_pp.runtime.contract import Stage
+from lightning_async_pp.runtime.fingerprint import FingerprintCheck, fingerprint
+from lightning_async_pp.runtime.host_flag import HostFlag
+from lightning_async_pp.runtime.microbatch import split_microbatches
+from lightning_async_pp.runtime.ties import TiedGradients
+from lightning_async_pp.schedule import (
     Action,
     Op,
     drain_actions,
@@ -55,7 +56,6 @@ from lightning_async_pp.pipeline.schedule import (
     validate,
     weight_version,
 )
-from lightning_async_pp.pipeline.ties import TiedGradients
 
 Key = tuple[int, int]  # (step, micro-batch)
 _RECEIVES = (Op.RECV_F, Op.RECV_B)
@@ -163,7 +163,7 @@ class StageRuntime:
         trace_window: How many actions the trace keeps (a sliding window, so long runs stay bounded).
         start_version: Weight version the parameters hold (non-zero when resuming).
         check_data_order: Send a fingerprint of each micro-batch with its activation and stop with
-            :class:`~lightning_async_pp.pipeline.fingerprint.DataOrderError` when a stage's own micro-batch does
+            :class:`~lightning_async_pp.runtime.fingerprint.DataOrderError` when a stage's own micro-batch does
             not match the previous stage's. On CPU the check stops the micro-batch before its forward; on a GPU
             the result is read without waiting for the device, at the latest two steps later and at every
             :meth:`drain`. Every stage of a pipeline must agree on it.
@@ -225,9 +225,13 @@ class StageRuntime:
         self.is_last = self.stage == self.num_stages - 1
         self.prev = self.next = None
         if self.prev_rank is not None:
-            self.prev = Channel(self.prev_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage - 1}")
+            self.prev = Channel(
+                self.prev_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage - 1}"
+            )
         if self.next_rank is not None:
-            self.next = Channel(self.next_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage + 1}")
+            self.next = Channel(
+                self.next_rank, self.device, self.p2p_group, f"stage {self.stage} <- stage {self.stage + 1}"
+            )
         self._microbatches: dict[int, list[Any]] = {}
         # What travels may be several tensors (see `activations`): a received input keeps its spec, and an
         # in-flight micro-batch keeps the specs of its input and output, so each gradient finds its tensor.
@@ -322,7 +326,9 @@ class StageRuntime:
         """Finish every started micro-batch and apply every pending update (empties the pipeline)."""
         if self.run_start is not None and self.last_step is not None:
             self._execute(
-                drain_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, self.last_step, self.run_start)
+                drain_actions(
+                    self.kind, self.num_stages, self.num_microbatches, self.stage, self.last_step, self.run_start
+                )
             )
         self._complete_updates(up_to_version=None)
         for channel in (self.prev, self.next):

@@ -2,7 +2,7 @@
 
 Nothing here runs a model or touches ``torch.distributed``: a schedule is a
 list of :class:`Action` per stage that a runtime executes in order, that
-:func:`check` verifies and that :mod:`lightning_async_pp.pipeline.simulate`
+:func:`check` verifies and that :mod:`lightning_async_pp.schedule.simulate`
 times. The design follows ``torch.distributed.pipelining`` (schedules are data,
 lowered with explicit send/recv actions) and DeepSpeed's
 ``runtime/pipe/schedule.py``.
@@ -717,7 +717,7 @@ class PostingPlan:
 
 
 def posting_plan(actions: Sequence[Action], eager: bool = False) -> PostingPlan:
-    """How :class:`~lightning_async_pp.pipeline.runtime.StageRuntime` posts the transfers of ``actions``.
+    """How :class:`~lightning_async_pp.runtime.stage.StageRuntime` posts the transfers of ``actions``.
 
     Each receive is posted as early as possible without overtaking an earlier operation of its link: at
     the segment start when it is its link's first operation, batched with the send right before it on

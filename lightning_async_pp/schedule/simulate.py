@@ -1,4 +1,4 @@
-"""Event-driven timing simulation of a :class:`~lightning_async_pp.pipeline.schedule.Schedule`.
+"""Event-driven timing simulation of a :class:`~lightning_async_pp.schedule.Schedule`.
 
 The simulator executes the *same* per-stage action lists a runtime would, in
 order per stage, with a cost per compute action:
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lightning_async_pp.pipeline.schedule import Action, Op, Schedule, _needs, _run_in_order, liveness_trace
+from lightning_async_pp.schedule.schedule import Action, Op, Schedule, _needs, _run_in_order, liveness_trace
 
 __all__ = ["DeadlockError", "Event", "SimulationResult", "StageCosts", "plot_gantt", "render_gantt", "simulate"]
 
@@ -147,7 +147,7 @@ def simulate(
     """Time ``schedule`` with the given costs.
 
     Args:
-        schedule: a schedule from :func:`~lightning_async_pp.pipeline.schedule.build_schedule`
+        schedule: a schedule from :func:`~lightning_async_pp.schedule.build_schedule`
             (or hand-made, e.g. to test a runtime's order).
         costs: one :class:`StageCosts` for all stages or one per stage.
         transfer: seconds between a stage finishing a micro-batch and its
@@ -190,7 +190,9 @@ def simulate(
                 step_start[(s, a)] = a.step
     release: dict[int, float] = {}  # step -> when the last of the stages reaches it (step_sync)
     while True:
-        timelines, reached = _timelines(schedule, per_stage, transfer, overhead, step_start, release, comm, durations or {})
+        timelines, reached = _timelines(
+            schedule, per_stage, transfer, overhead, step_start, release, comm, durations or {}
+        )
         if not step_sync or all(release.get(t) == v for t, v in reached.items()):
             break
         # Start times only grow from one pass to the next; a few passes settle them.

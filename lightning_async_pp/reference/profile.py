@@ -1,6 +1,6 @@
 """Per-stage gradient delays on one device: simulate the original PipeDream's growing staleness.
 
-PipeDream-2BW gives every stage the same one-step delay (see :mod:`lightning_async_pp.pipeline.delayed`).
+PipeDream-2BW gives every stage the same one-step delay (see :mod:`lightning_async_pp.reference.delayed`).
 The original PipeDream (weight stashing, no flushes) does not: stage ``s`` of ``P`` computes its gradient on
 weights that are ``P - 1 - s`` steps old, so the first stage is the stalest and the last stage is not delayed
 at all. This module reproduces such *delay profiles* on a single process, for any grouping of the parameters
@@ -13,7 +13,7 @@ group swapped to its own delayed version (each stage's forward and backward see 
 with weight stashing), so group ``g`` gets its gradient at ``w_g[t-d_g]`` while the other groups sit at their
 own delayed versions; then the current weights are swapped back and the optimizer steps them as usual. The
 optimizer state advances once per step and is never rewound. With every delay equal to 1 this is exactly the
-2BW trajectory of :class:`~lightning_async_pp.pipeline.delayed.DelayedWeights`; with every delay 0 it is
+2BW trajectory of :class:`~lightning_async_pp.reference.delayed.DelayedWeights`; with every delay 0 it is
 synchronous training.
 
 Simplification: PipeDream proper applies an update after every micro-batch; here the unit of delay is one
@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.pipeline.partition import balanced_partition, stage_ranges
+from lightning_async_pp.schedule.partition import balanced_partition, stage_ranges
 
 __all__ = ["DelayProfile", "pipedream_delays", "split_into_stages"]
 

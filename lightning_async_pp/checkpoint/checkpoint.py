@@ -25,7 +25,7 @@ A parameter that the model reaches under several names (tied weights, e.g. an em
 output head) has one ``previous.`` and one ``optimizer.`` entry, under its first name in the whole model's
 ``named_parameters()`` (the name one device uses). A pipeline keeps one copy per stage that uses it; the copies
 stay bit-identical, their optimizer states and previous versions too (each owner applies the same update to
-the same summed gradient, see :mod:`lightning_async_pp.pipeline.ties`), so every copy saves to that entry and
+the same summed gradient, see :mod:`lightning_async_pp.runtime.ties`), so every copy saves to that entry and
 every copy is restored from it, whichever stages the names land on at the next ``P``. ``state_dict.`` keeps
 every name, as the one-device ``state_dict`` does.
 
@@ -77,7 +77,11 @@ SHARD_KEY = "async_pp_shard"
 """Marks a payload for :class:`ShardedCheckpointIO` (anything else is written as one ``torch.save`` file)."""
 
 _MODEL, _PREVIOUS, _OPT_STATE, _OPT_GROUP, _RNG = (
-    "state_dict.", "previous.", "optimizer.state.", "optimizer.param_groups.", "rng.stage",
+    "state_dict.",
+    "previous.",
+    "optimizer.state.",
+    "optimizer.param_groups.",
+    "rng.stage",
 )
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 
@@ -177,8 +181,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 _SAFE_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.planner", "WriteItemType"),
@@ -196,7 +208,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Reads DCP's ``.metadata`` index allowing only its own plain classes, like ``torch.load(weights_only=True)``."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _SAFE_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         if module == "torch.distributed.checkpoint.metadata" or module == "torch.distributed.checkpoint.filesystem":
             # A class DCP adds in a later torch: plain data like the others.
@@ -261,7 +275,9 @@ def check_shard_files(path: _PATH, index: Metadata, keys: Iterable[str] | None =
     for name, end in sorted(needed.items()):
         file = path / name
         if not file.is_file():
-            raise RuntimeError(f"The checkpoint {path} is damaged: its shard {file} is missing. Resume from another checkpoint.")
+            raise RuntimeError(
+                f"The checkpoint {path} is damaged: its shard {file} is missing. Resume from another checkpoint."
+            )
         size = file.stat().st_size
         if size < end:
             raise RuntimeError(
@@ -278,7 +294,9 @@ def _shard_files(index: Metadata, keys: Iterable[str]) -> list[str]:
 # --- loading one stage ---------------------------------------------------------------------------------
 
 
-def check_compatible(path: _PATH, info: dict[str, Any], index: Metadata, schedule: str, model_shapes: dict[str, tuple]) -> None:
+def check_compatible(
+    path: _PATH, info: dict[str, Any], index: Metadata, schedule: str, model_shapes: dict[str, tuple]
+) -> None:
     """Refuse a checkpoint that cannot continue this run, saying what differs. Every rank decides alike.
 
     Args:
@@ -296,7 +314,7 @@ def check_compatible(path: _PATH, info: dict[str, Any], index: Metadata, schedul
             f"other: set `schedule={saved_schedule!r}`, or start a new run from the weights only."
         )
     saved = {
-        key[len(_MODEL):]: tuple(md.size)
+        key[len(_MODEL) :]: tuple(md.size)
         for key, md in index.state_dict_metadata.items()
         if key.startswith(_MODEL) and isinstance(md, TensorStorageMetadata)
     }
@@ -365,10 +383,10 @@ def load_stage(
         owned = {names[id(p)] for group in optimizer.param_groups for p in group["params"]}
         for key, md in available.items():
             if key.startswith(_OPT_STATE):
-                name = key[len(_OPT_STATE):].rpartition(".")[0]
+                name = key[len(_OPT_STATE) :].rpartition(".")[0]
                 if name in owned:
                     targets[key] = _empty_like_saved(md)
-            elif key.startswith(_OPT_GROUP) and key[len(_OPT_GROUP):] in owned:
+            elif key.startswith(_OPT_GROUP) and key[len(_OPT_GROUP) :] in owned:
                 targets[key] = None
         if f"{_RNG}{stage}" in available:
             targets[f"{_RNG}{stage}"] = None
@@ -376,7 +394,9 @@ def load_stage(
     planner = SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
-        dcp.load(targets, storage_reader=SafeReader(path), planner=planner, process_group=process_group, no_dist=no_dist)
+        dcp.load(
+            targets, storage_reader=SafeReader(path), planner=planner, process_group=process_group, no_dist=no_dist
+        )
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         files = ", ".join(_shard_files(index, targets))
         raise RuntimeError(
@@ -404,7 +424,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], loa
     per_param: dict[str, dict[str, Any]] = {}
     for key, value in loaded.items():
         if key.startswith(_OPT_STATE):
-            name, _, field = key[len(_OPT_STATE):].rpartition(".")
+            name, _, field = key[len(_OPT_STATE) :].rpartition(".")
             per_param.setdefault(name, {})[field] = value
     index = 0
     state: dict[int, dict[str, Any]] = {}
@@ -501,7 +521,9 @@ class ShardedCheckpointIO(CheckpointIO):
         rank = _rank(self.process_group)
         if rank == 0:
             if path.is_dir() and not is_sharded_checkpoint(path) and any(path.iterdir()):
-                raise IsADirectoryError(f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint.")
+                raise IsADirectoryError(
+                    f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint."
+                )
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
             partial.mkdir(parents=True)
         self._barrier()
@@ -518,7 +540,10 @@ class ShardedCheckpointIO(CheckpointIO):
         no_dist = self.process_group is None
         if self.async_save:
             future = dcp.async_save(
-                checkpoint["shard"], storage_writer=writer, planner=planner, process_group=self.process_group,
+                checkpoint["shard"],
+                storage_writer=writer,
+                planner=planner,
+                process_group=self.process_group,
                 no_dist=no_dist,
             )
             done: Future = Future()
@@ -535,8 +560,13 @@ class ShardedCheckpointIO(CheckpointIO):
             self._pending = done
         else:
             try:
-                dcp.save(checkpoint["shard"], storage_writer=writer, planner=planner, process_group=self.process_group,
-                         no_dist=no_dist)
+                dcp.save(
+                    checkpoint["shard"],
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self.process_group,
+                    no_dist=no_dist,
+                )
             except CheckpointException as error:  # a BaseException: make it an ordinary error, on every rank
                 raise RuntimeError(
                     f"Could not write the checkpoint {path} ({error}). The previous checkpoint at that name, if any, "
@@ -553,7 +583,9 @@ class ShardedCheckpointIO(CheckpointIO):
             pending.result()
 
     @override
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Lightning's part of the checkpoint at ``path`` (``meta.pt``), or a plain single-file checkpoint."""
         self.wait()
         path = Path(path)
@@ -662,12 +694,20 @@ def read_tensors(checkpoint_dir: _PATH, prefix: str = "") -> dict[str, Tensor]:
     """
     checkpoint_dir = Path(checkpoint_dir)
     index = read_index(checkpoint_dir)
-    keys = [k for k, md in index.state_dict_metadata.items() if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)]
+    keys = [
+        k
+        for k, md in index.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    ]
     check_shard_files(checkpoint_dir, index, keys)
     targets = {k: _empty_like_saved(index.state_dict_metadata[k]) for k in keys}
     try:
-        dcp.load(targets, storage_reader=SafeReader(checkpoint_dir),
-                 planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+        dcp.load(
+            targets,
+            storage_reader=SafeReader(checkpoint_dir),
+            planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=True,
+        )
     except (Exception, CheckpointException) as error:
         raise RuntimeError(
             f"Could not read the checkpoint {checkpoint_dir} ({', '.join(_shard_files(index, keys))}): a shard is "
@@ -698,9 +738,12 @@ def consolidate(checkpoint_dir: _PATH, out: _PATH, pretrained_dir: _PATH | None 
     for key in ("optimizer_states", "lr_schedulers"):
         meta.pop(key, None)
     info = meta.pop(CHECKPOINT_KEY, {})
-    meta["state_dict"] = {k[len(_MODEL):]: v for k, v in weights.items()}
-    meta["consolidated_from"] = {"path": str(checkpoint_dir), "num_stages": info.get("num_stages"),
-                                 "schedule": info.get("schedule")}
+    meta["state_dict"] = {k[len(_MODEL) :]: v for k, v in weights.items()}
+    meta["consolidated_from"] = {
+        "path": str(checkpoint_dir),
+        "num_stages": info.get("num_stages"),
+        "schedule": info.get("schedule"),
+    }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     temporary = out.with_name(f".{out.name}.partial")
@@ -732,7 +775,8 @@ def consolidate_main(argv: list[str]) -> None:
     parser.add_argument("checkpoint_dir", help="checkpoint directory written by AsyncPipelineStrategy")
     parser.add_argument("out", help="the single-file checkpoint to write")
     parser.add_argument(
-        "--pretrained-dir", default=None,
+        "--pretrained-dir",
+        default=None,
         help="for a CausalLM checkpoint: the save_pretrained folder to write (default: OUT without its suffix, "
         "plus '-hf': model.ckpt -> model-hf)",
     )
@@ -742,11 +786,15 @@ def consolidate_main(argv: list[str]) -> None:
     if TRANSFORMERS_KEY in meta:
         pretrained_dir = args.pretrained_dir or default_pretrained_dir(args.out)
     elif args.pretrained_dir is not None:
-        parser.error(f"{args.checkpoint_dir} was not saved by lightning_async_pp.models.CausalLM: --pretrained-dir "
-                     "only applies to Hugging Face models.")
+        parser.error(
+            f"{args.checkpoint_dir} was not saved by lightning_async_pp.models.CausalLM: --pretrained-dir "
+            "only applies to Hugging Face models."
+        )
     meta = consolidate(args.checkpoint_dir, args.out, pretrained_dir)
     count = sum(t.numel() for t in meta["state_dict"].values())
-    print(f"Wrote {args.out}: {len(meta['state_dict'])} tensors, {count:,} values, global step {meta.get('global_step')}")
+    print(
+        f"Wrote {args.out}: {len(meta['state_dict'])} tensors, {count:,} values, global step {meta.get('global_step')}"
+    )
     if pretrained_dir is not None:
         print(f"Wrote {pretrained_dir}: transformers save_pretrained folder (AutoModelForCausalLM.from_pretrained)")
 

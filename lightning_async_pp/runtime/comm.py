@@ -15,8 +15,8 @@ receive that follows it on the same link (``send(..., post_recv=True)``). On NCC
 operations between two ranks run in posting order on one stream, and a receive queued before a send the
 peer is waiting for blocks both ranks for good; batching lets the two run together, as
 ``torch.distributed.pipelining`` and Megatron-LM do. The runtime posts operations in the order
-:func:`lightning_async_pp.pipeline.schedule.posting_plan` gives, which
-:func:`lightning_async_pp.pipeline.schedule.check_transfers` proves free of deadlocks under those
+:func:`lightning_async_pp.schedule.posting_plan` gives, which
+:func:`lightning_async_pp.schedule.check_transfers` proves free of deadlocks under those
 semantics. Sends never block the sender.
 """
 
@@ -101,9 +101,7 @@ class Channel:
         name: Names the link in error messages, e.g. ``"stage 1 <- stage 0"``.
     """
 
-    def __init__(
-        self, peer: int, device: torch.device, group: dist.ProcessGroup | None = None, name: str = ""
-    ) -> None:
+    def __init__(self, peer: int, device: torch.device, group: dist.ProcessGroup | None = None, name: str = "") -> None:
         self.peer = peer
         self.name = name or f"rank {peer}"
         self.device = device

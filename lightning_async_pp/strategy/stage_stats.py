@@ -1,7 +1,7 @@
 """Every stage's step statistics on global rank 0: a bounded history, logged where Lightning logs the loss.
 
-The strategy hands each step's :class:`~lightning_async_pp.pipeline.runtime.StepStats` to :meth:`StageStatistics.report`
-on every rank; the records travel to rank 0 on a :class:`~lightning_async_pp.pipeline.stats.StatsRelay` without
+The strategy hands each step's :class:`~lightning_async_pp.runtime.stage.StepStats` to :meth:`StageStatistics.report`
+on every rank; the records travel to rank 0 on a :class:`~lightning_async_pp.runtime.timing.StatsRelay` without
 blocking, and rank 0 keeps and logs them.
 """
 
@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from lightning_async_pp.pipeline.runtime import StepStats
-from lightning_async_pp.pipeline.stats import StatsRelay
+from lightning_async_pp.runtime.stage import StepStats
+from lightning_async_pp.runtime.timing import StatsRelay
 
 # Steps of per-stage statistics rank 0 keeps (older ones are dropped; the logger has them).
 STAGE_STATS_HISTORY = 1000
@@ -79,7 +79,9 @@ class StageStatistics:
 
     def _poll(self, trainer: Any, block: bool) -> None:
         if self.relay is not None:
-            self.relay.poll(lambda rank, s: self.record(self.stage_of_rank(rank), s, trainer), self._reported, block=block)
+            self.relay.poll(
+                lambda rank, s: self.record(self.stage_of_rank(rank), s, trainer), self._reported, block=block
+            )
 
     def record(self, stage: int, stats: StepStats, trainer: Any) -> None:
         """Rank 0: keep one stage's record and log it at the steps Lightning logs ``train/loss`` at."""
@@ -100,7 +102,9 @@ class StageStatistics:
         step_records[stage] = stats
         if len(step_records) == self.num_stages:
             del self._pending[stats.step]
-            metrics["pipeline/bubble_fraction"] = sum(r.bubble_fraction for r in step_records.values()) / self.num_stages
+            metrics["pipeline/bubble_fraction"] = (
+                sum(r.bubble_fraction for r in step_records.values()) / self.num_stages
+            )
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=stats.step)
 

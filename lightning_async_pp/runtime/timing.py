@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_async_pp.pipeline.runtime import StepStats
+from lightning_async_pp.runtime.stage import StepStats
 
 FIELDS = ("step", "wall", "forward", "backward", "wait", "update", "version_lag")
 
@@ -100,10 +100,17 @@ def write_chrome_trace(stage_events: list[tuple[int, list[tuple[str, float, floa
         trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}})
         for name, start, end in events:
             kind = name.lstrip("0123456789")
-            trace.append({
-                "name": name, "cat": kind.rstrip("0123456789"), "ph": "X", "pid": 0, "tid": stage,
-                "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6,
-            })
+            trace.append(
+                {
+                    "name": name,
+                    "cat": kind.rstrip("0123456789"),
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": stage,
+                    "ts": (start - origin) * 1e6,
+                    "dur": (end - start) * 1e6,
+                }
+            )
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "pipeline_trace.json")
     with open(path + ".tmp", "w") as f:

@@ -23,11 +23,16 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_async_pp.pipeline.host_flag import HostFlag
+from lightning_async_pp.runtime.host_flag import HostFlag
 
 SAMPLE = 1 << 14
 _SPREAD, _OFFSET, _MIX = 0x2545F4914F6CDD1D, 0x1B873593, 0x5851F42D4C957F2D
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+_BITS = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 def _words(t: Tensor) -> Tensor:

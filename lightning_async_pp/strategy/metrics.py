@@ -17,7 +17,7 @@ keys: ``EarlyStopping`` raises there, and a ``ModelCheckpoint`` sends the last s
   callback metrics. Validation and testing are synchronous already (the pipeline is flushed before them); an
   epoch end costs one wait per epoch.
 
-The stop flag carries a SIGTERM (see :mod:`lightning_async_pp.sigterm`) from any rank to every rank: a rank
+The stop flag carries a SIGTERM (see :mod:`lightning_async_pp.strategy.metrics`) from any rank to every rank: a rank
 sets its flag in the message of the step it is at; with several replicas the flags first meet in a
 non-blocking all-reduce over the replicas of each stage (a group of D ranks), read a step later, and enter
 the pipeline message from there, so every pipeline's message ``j`` carries the same flags. Every rank reads
@@ -27,11 +27,29 @@ same step.
 Decisions follow the metrics: :func:`reduce_decision` lets only the last stages vote (every rank still joins
 the one all-reduce), so a stage holding a copy that is a step old never changes what ``EarlyStopping`` or
 ``ModelCheckpoint`` decide, and the run stops and saves exactly where one device would.
+
+A SIGTERM on any rank stops every rank of the job before the same training step.
+
+Lightning handles a SIGTERM with a blocking broadcast of rank 0's flag over the default group before every
+training step (a barrier per step, on the whole job), a broadcast inside the signal handler itself, and a
+check of the local flag after each step that stops the receiving rank alone. In a pipeline the ranks are
+up to a step apart, so a rank that stops on its own leaves its neighbours waiting for its transfers, and
+a signal that reaches only one rank (not rank 0) would not stop the others at all.
+
+:func:`install` replaces that: the signal handler only records the signal on the rank that received it; the
+flag travels in the per-step message of :class:`~lightning_async_pp.strategy.metrics.MetricsRelay` (small groups, one
+step late, see there), which tells every rank the same step to stop before. There every rank sets
+``trainer.received_sigterm`` and raises Lightning's ``SIGTERMException``, so ``on_exception`` callbacks run on
+every rank at the same ``global_step`` (two steps after the signal with one pipeline, three with replicas).
+The flag is sampled at the end of each training step: a signal during validation stops training two
+steps after it resumes, and one that arrives after the last step is dropped (the run ends normally).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import signal
 import struct
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -42,14 +60,20 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
 
-__all__ = ["MetricsRelay", "reduce_decision"]
+__all__ = ["MetricsRelay", "install_sigterm_stop", "reduce_decision"]
 
 # What a ModelCheckpoint knows about the checkpoints it kept; made the last stage's on every rank at the end of fit.
 CHECKPOINT_STATE = (
-    "best_k_models", "best_model_path", "best_model_score", "kth_best_model_path", "kth_value", "last_model_path",
+    "best_k_models",
+    "best_model_path",
+    "best_model_score",
+    "kth_best_model_path",
+    "kth_value",
+    "last_model_path",
     "current_score",
 )
 # Bytes of a training step's message; grows (announced one message ahead) when the metrics need more.
@@ -158,7 +182,7 @@ class MetricsRelay:
         self.stop_before: int | None = None
         """The step (count of training steps run) before which every rank stops; ``None``: no stop requested."""
         self.stop_requested: Callable[[], bool] = lambda: False
-        """This rank's stop flag, sampled once per step (set by :func:`lightning_async_pp.sigterm.install`)."""
+        """This rank's stop flag, sampled once per step (set by :func:`lightning_async_pp.strategy.metrics.install`)."""
         self.callback = _RelayCallback(self)
 
     @classmethod
@@ -236,7 +260,10 @@ class MetricsRelay:
             work.wait()
             agreed = bool(flag.numpy()[0])
         flag = torch.tensor([int(local)], dtype=torch.uint8)
-        self._replica_flag = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group, async_op=True), flag)
+        self._replica_flag = (
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group, async_op=True),
+            flag,
+        )
         return agreed
 
     def _post(self, payload: bytes | None, stop: bool) -> None:
@@ -279,7 +306,6 @@ class MetricsRelay:
         if not self.is_source:
             trainer.callback_metrics.update(decode(holder[0], self.device))
 
-
     def share_checkpoint_state(self, trainer: Trainer) -> None:
         """Give every ``ModelCheckpoint`` the last stage's record of the checkpoints it kept (a collective).
 
@@ -303,7 +329,9 @@ class _RelayCallback(Callback):
         self.relay = relay
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.relay.step(trainer)
 
     @override
@@ -323,3 +351,49 @@ class _RelayCallback(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.relay.finish(trainer)
         self.relay.share_checkpoint_state(trainer)
+
+
+log = logging.getLogger(__name__)
+
+
+def install_sigterm_stop(trainer: Trainer, relay: MetricsRelay) -> None:
+    """Route this rank's SIGTERM through ``relay`` and stop where ``relay`` agrees to stop.
+
+    Replaces the epoch loop's per-step ``_broadcast_sigterm_tensor`` (no collective any more) and, at the first
+    step (Lightning registers its handlers after the strategy's setup), Lightning's SIGTERM notifier by one
+    that only records the signal.
+
+    Args:
+        trainer: The trainer whose fit loop is about to run.
+        relay: The relay whose per-step message carries the flag.
+    """
+    received = [False]
+    connector = trainer._signal_connector
+
+    def notify(signum: int, _: Any) -> None:
+        log.info(f"Received SIGTERM: {signum}; every rank stops before the same step")
+        if not received[0] and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)  # as Lightning: pass it on to the processes it started
+        received[0] = True
+
+    def stop_where_every_rank_stops() -> None:
+        if not stop_where_every_rank_stops.replaced:
+            _replace_notifier(connector._sigterm_notifier_fn, notify)
+            stop_where_every_rank_stops.replaced = True
+        if relay.should_stop():
+            connector.received_sigterm = True
+            raise SIGTERMException()
+
+    stop_where_every_rank_stops.replaced = False
+    relay.stop_requested = lambda: received[0]
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = stop_where_every_rank_stops
+
+
+def _replace_notifier(notifier: Callable, replacement: Callable) -> None:
+    """Swap Lightning's notifier for ``replacement`` in the installed SIGTERM handler (a list of handlers)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    handlers = getattr(handler, "signal_handlers", None)
+    if isinstance(handlers, list):
+        handlers[:] = [replacement if h == notifier else h for h in handlers]
+    elif handler == notifier:
+        signal.signal(signal.SIGTERM, replacement)

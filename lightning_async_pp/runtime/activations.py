@@ -1,7 +1,7 @@
 """What travels between two stages: a tensor, or a tuple, list or dict of tensors, as one message.
 
 A layer may return several tensors (hidden states plus whatever the next layer needs). A stage sends them
-together, as one message of the :class:`~lightning_async_pp.pipeline.comm.Channel`: the tensors in order
+together, as one message of the :class:`~lightning_async_pp.runtime.comm.Channel`: the tensors in order
 (a dict's in its key order), followed by a small int64 tensor, the *spec*, that says how to rebuild the
 structure and which tensors carry gradients. A plain tensor travels alone, as before, without a spec.
 

@@ -2,7 +2,7 @@
 
 Under 2BW a micro-batch runs on the weight version it was pinned to, not on the module's own (newest)
 parameters. A recompute runs later, inside backward, so the runtime runs every backward under the same
-re-parametrization as the forward (see :class:`~lightning_async_pp.pipeline.runtime.StageRuntime`): the
+re-parametrization as the forward (see :class:`~lightning_async_pp.runtime.stage.StageRuntime`): the
 recompute reads the pinned version, whether the layer calls ``torch.utils.checkpoint`` itself or was
 wrapped by :func:`checkpoint_layers`.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-ActivationCheckpointing = Union[bool, Sequence[Union[int, str, type]]]
+ActivationCheckpointing = Union[bool, Sequence[int | str | type]]
 _MARK = "_async_pp_checkpointed"
 
 
@@ -25,8 +25,10 @@ def check_option(value: Any) -> None:
     """Raise a ``ValueError`` unless ``value`` is a valid ``activation_checkpointing`` setting."""
     if isinstance(value, bool):
         return
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
-        (isinstance(v, int) and not isinstance(v, bool)) or isinstance(v, (str, type)) for v in value
+    if (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, Sequence)
+        or not all((isinstance(v, int) and not isinstance(v, bool)) or isinstance(v, (str, type)) for v in value)
     ):
         raise ValueError(
             "`activation_checkpointing` must be True (every layer), False, or a list of layer indices, layer types "

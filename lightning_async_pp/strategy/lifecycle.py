@@ -14,19 +14,28 @@ own shard, whatever the processes' global random states:
 
 What this cannot reach (a sampler of the user's own, random transforms in the main process, a dataset that
 differs per process) is caught by the micro-batch fingerprint: see
-:mod:`lightning_async_pp.pipeline.fingerprint`.
+:mod:`lightning_async_pp.runtime.fingerprint`.
+
+Resuming a training epoch at the batch where a checkpoint left it.
+
+Lightning's optimizer-step hooks for a pipeline stage, whose updates the stage runtime applies itself.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 # Keeps the stream of worker base seeds apart from the shuffle, which uses `seed + epoch` itself.
@@ -79,8 +88,13 @@ def same_order_loader(dataloader: Any, seed: int, num_replicas: int, replica: in
         if shuffled:
             arguments = dict(num_replicas=num_replicas, rank=replica, shuffle=True, seed=seed)
         else:  # Lightning's, for replicas (or the user's own): keep its order, add the worker seeding
-            arguments = dict(num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=sampler.shuffle,
-                             seed=sampler.seed, drop_last=sampler.drop_last)
+            arguments = dict(
+                num_replicas=sampler.num_replicas,
+                rank=sampler.rank,
+                shuffle=sampler.shuffle,
+                seed=sampler.seed,
+                drop_last=sampler.drop_last,
+            )
         epoch_sampler = EpochSampler(dataloader.dataset, worker_generator=generator, **arguments)
         dataloader = _update_dataloader(dataloader, epoch_sampler, mode=RunningStage.TRAINING)
         dataloader.generator = generator
@@ -96,3 +110,72 @@ def same_order_loader(dataloader: Any, seed: int, num_replicas: int, replica: in
 def sampler_kwargs(num_replicas: int, replica: int, seed: int) -> dict[str, Any]:
     """Arguments of the ``DistributedSampler`` Lightning injects when there are replicas."""
     return {"num_replicas": num_replicas, "rank": replica, "seed": seed}
+
+
+class ResumableLoader:
+    """Wraps a training dataloader so that a resumed epoch continues at the next unseen batch.
+
+    Lightning restores how many batches of the current epoch were completed, but restarts a plain
+    ``DataLoader`` from its first batch. This wrapper skips the completed ones (reading, not training on
+    them) when iteration actually begins, so a resumed run sees the same batches as an uninterrupted one,
+    provided the loader itself is deterministic per epoch (for example a sampler seeded by epoch).
+
+    Args:
+        dataloader: The training dataloader.
+        completed_batches: Returns the number of batches of the current epoch already trained on.
+    """
+
+    def __init__(self, dataloader: Any, completed_batches: Callable[[], int]) -> None:
+        self.dataloader = dataloader
+        self.completed_batches = completed_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        # A generator: this body runs at the first `next()`, after Lightning has restored its progress
+        # counters and called `set_epoch` on the sampler.
+        iterator = iter(self.dataloader)
+        skip = self.completed_batches()
+        if hasattr(self.dataloader, "__len__") and len(self.dataloader) > 0:
+            skip %= len(self.dataloader)
+        for _ in range(skip):
+            next(iterator, None)
+        yield from iterator
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:
+        # `sampler`, `batch_size`, `dataset`, ...: look like the wrapped loader to Lightning.
+        return getattr(self.__dict__["dataloader"], name)
+
+    # Marks the loader as resumable for Lightning: the position lives in Lightning's own loop state.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+def before_optimizer_step(trainer: Trainer, optimizer: Optimizer) -> Callable[[], None]:
+    """What a stage runs when the gradient of a step is complete, as Lightning does before an optimizer step:
+    the callbacks' and the module's ``on_before_optimizer_step``. They see this stage's parameters only."""
+
+    def run() -> None:
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+
+    return run
+
+
+def check_gradient_clipping_hook(module: LightningModule) -> None:
+    """Refuse an overridden ``configure_gradient_clipping``: each stage holds part of the gradient, so code that
+    clips ``self.parameters()`` would clip every stage by its own norm, not by the norm of the whole model."""
+    if type(module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping:
+        raise MisconfigurationException(
+            f"{type(module).__name__} overrides `configure_gradient_clipping`, which a multi-stage pipeline cannot "
+            "run: each stage holds only its own gradients, so it would clip every stage by a different norm. Remove "
+            "the override and set `Trainer(gradient_clip_val=...)`: AsyncPipelineStrategy clips by the global norm "
+            "across all stages. (On one device the override runs as usual.)"
+        )

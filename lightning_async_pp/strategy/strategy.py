@@ -32,34 +32,61 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_async_pp import checkpoint as sharded
-from lightning_async_pp.data_order import local_seed, same_order_loader, sampler_kwargs
-from lightning_async_pp.hooks import before_optimizer_step, check_gradient_clipping_hook
-from lightning_async_pp.meta_init import MetaLayers
-from lightning_async_pp.metrics import MetricsRelay, reduce_decision
+from lightning_async_pp.checkpoint import (
+    CHECKPOINT_KEY,
+    FORMAT_VERSION,
+    SHARD_KEY,
+    ShardedCheckpointIO,
+    align_lr_schedulers,
+    check_compatible,
+    is_sharded_checkpoint,
+    load_stage,
+    parameter_aliases,
+    read_index,
+    stage_shard,
+)
 from lightning_async_pp.module import pipeline_evaluation_step
-from lightning_async_pp.pipeline import schedule as schedules
-from lightning_async_pp.pipeline.contract import is_pipeline_module, require_pipeline_module, run_layers
-from lightning_async_pp.pipeline.delayed import DelayedWeights
-from lightning_async_pp.pipeline.microbatch import auto_num_microbatches, batch_size_of, split_microbatches
-from lightning_async_pp.pipeline.partition import count_parameters
-from lightning_async_pp.distributed import barrier as distributed_barrier
-from lightning_async_pp.distributed import init_process_group
-from lightning_async_pp.pipeline.placement import keep_only_layers, materialize, measure_layer_times, partition_layers
-from lightning_async_pp.pipeline.recompute import ActivationCheckpointing, check_option, checkpoint_layers, select_layers
-from lightning_async_pp.pipeline.runtime import StageRuntime, StepStats, check_finite_losses
-from lightning_async_pp.pipeline.stats import StatsRelay, write_chrome_trace
-from lightning_async_pp.pipeline import ties as tied
-from lightning_async_pp.resume import ResumableLoader
-from lightning_async_pp.routing import report_routing
-from lightning_async_pp.sigterm import install as install_sigterm_stop
-from lightning_async_pp.stage_stats import StageStatistics
+from lightning_async_pp.reference.delayed import DelayedWeights
+from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipeline_module, run_layers
+from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of, split_microbatches
+from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option, checkpoint_layers, select_layers
+from lightning_async_pp.runtime.stage import StageRuntime, StepStats, check_finite_losses
+from lightning_async_pp.runtime.ties import (
+    Tie,
+    TiedGradients,
+    broadcast_ties,
+    check_tied_updates,
+    find_ties,
+    new_tie_groups,
+    parameter_slots,
+    retie,
+)
+from lightning_async_pp.runtime.timing import StatsRelay, write_chrome_trace
+from lightning_async_pp.schedule import SCHEDULES, validate
+from lightning_async_pp.schedule.partition import count_parameters
+from lightning_async_pp.strategy.lifecycle import (
+    ResumableLoader,
+    before_optimizer_step,
+    check_gradient_clipping_hook,
+    local_seed,
+    same_order_loader,
+    sampler_kwargs,
+)
+from lightning_async_pp.strategy.metrics import MetricsRelay, install_sigterm_stop, reduce_decision
+from lightning_async_pp.strategy.placement import (
+    MetaLayers,
+    keep_only_layers,
+    materialize,
+    measure_layer_times,
+    partition_layers,
+)
+from lightning_async_pp.strategy.routing import report_routing
+from lightning_async_pp.strategy.stage_stats import StageStatistics
+from lightning_async_pp.strategy.topology import barrier as distributed_barrier
+from lightning_async_pp.strategy.topology import init_process_group
 
 # A child of Lightning's logger, so each rank's placement line is shown with Lightning's own messages.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
-
-SCHEDULES = schedules.SCHEDULES
-CHECKPOINT_KEY = sharded.CHECKPOINT_KEY
 
 
 class AsyncPipelineStrategy(ParallelStrategy):
@@ -70,7 +97,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     optimizer update. ``"1f1b"`` is ordinary synchronous training: ``w[t+1] = w[t] - u(grad f(w[t]), batch t)``.
 
     With ``devices=P > 1`` the model's layers are cut into ``P`` contiguous stages, one per process, and
-    micro-batches stream through them (see :mod:`lightning_async_pp.pipeline.runtime`). The last stage,
+    micro-batches stream through them (see :mod:`lightning_async_pp.runtime.stage`). The last stage,
     which computes the loss, runs on global rank 0, so ``train/loss`` is logged where Lightning logs,
     without a per-step collective that would stall the pipeline.
 
@@ -79,7 +106,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     code with the multi-process runtime: it is the reference a pipeline must match, and a way to study
     staleness without a cluster.
 
-    With a pipeline-ready module (see :mod:`lightning_async_pp.pipeline.contract`) the strategy computes the
+    With a pipeline-ready module (see :mod:`lightning_async_pp.runtime.contract`) the strategy computes the
     loss itself, micro-batch by micro-batch, through ``pipeline_inputs``, ``pipeline_layers`` and
     ``pipeline_loss``, and logs it as ``train/loss``; ``training_step`` is not called. On one device any
     other ``LightningModule`` trains through its own ``training_step`` with ``num_microbatches=1``.
@@ -166,7 +193,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self.auto_microbatches = num_microbatches == "auto"
         self.num_microbatches: int = 1 if num_microbatches == "auto" else num_microbatches
         if pipeline_parallel_size is not None and (
-            isinstance(pipeline_parallel_size, bool) or not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1
+            isinstance(pipeline_parallel_size, bool)
+            or not isinstance(pipeline_parallel_size, int)
+            or pipeline_parallel_size < 1
         ):
             raise ValueError(f"`pipeline_parallel_size` must be a positive integer, got {pipeline_parallel_size!r}.")
         self.pipeline_parallel_size = pipeline_parallel_size
@@ -190,8 +219,8 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._metrics: MetricsRelay | None = None
         self._steps_run = 0
         self._no_loss: Tensor | None = None
-        self._ties: tied.TiedGradients | None = None
-        self._tie_groups: tuple[list[tied.Tie], list[Any]] | None = None
+        self._ties: TiedGradients | None = None
+        self._tie_groups: tuple[list[Tie], list[Any]] | None = None
         self.stage_layers: range | None = None
         self._partition: list[range] | None = None
         self._data_seed = 0
@@ -249,7 +278,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
     @property
     def stage_stats(self) -> dict[int, deque[StepStats]]:
         """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps (see
-        :mod:`lightning_async_pp.stage_stats`), per stage, in step order."""
+        :mod:`lightning_async_pp.strategy.stage_stats`), per stage, in step order."""
         return self._stage_stats.records if self._stage_stats is not None else {}
 
     def rank_of(self, stage: int, replica: int | None = None) -> int:
@@ -277,7 +306,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             )
         if self.auto_microbatches:
             self.num_microbatches = self.num_stages
-        schedules.validate(self.schedule, self.num_stages, self.num_microbatches)
+        validate(self.schedule, self.num_stages, self.num_microbatches)
         if not self.multi_process:
             self._launcher = None
             return
@@ -329,7 +358,13 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 return
             env = self.cluster_environment
             init_process_group(
-                backend, env.global_rank(), env.world_size(), env.main_address, env.main_port, self.timeout, self.root_device
+                backend,
+                env.global_rank(),
+                env.world_size(),
+                env.main_address,
+                env.main_port,
+                self.timeout,
+                self.root_device,
             )
 
     @override
@@ -379,7 +414,9 @@ class AsyncPipelineStrategy(ParallelStrategy):
             # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
             self._data_seed = local_seed()
             if self.num_microbatches > 1 and not is_pipeline_module(module):
-                require_pipeline_module(module, f"needed to split batches into num_microbatches={self.num_microbatches}")
+                require_pipeline_module(
+                    module, f"needed to split batches into num_microbatches={self.num_microbatches}"
+                )
             if self.activation_checkpointing is not False:
                 layers = list(module.pipeline_layers())
                 checkpoint_layers(layers, select_layers(layers, self.activation_checkpointing))
@@ -419,10 +456,13 @@ class AsyncPipelineStrategy(ParallelStrategy):
         stats_group = dist.new_group(stats_ranks, backend="gloo")
         peers = [r for r in stats_ranks if r != 0]
         self._stage_stats = StageStatistics(
-            P, self.stage, self.is_global_zero, StatsRelay(self.global_rank, peers, stats_group),
+            P,
+            self.stage,
+            self.is_global_zero,
+            StatsRelay(self.global_rank, peers, stats_group),
             stage_of_rank=lambda rank: P - 1 - rank // D,
         )
-        # What the last stage logs reaches the other stages of its replica (see lightning_async_pp.metrics).
+        # What the last stage logs reaches the other stages of its replica (see lightning_async_pp.strategy.metrics).
         pipelines = [[self.rank_of(s, replica) for s in range(P)] for replica in range(D)]
         self._metrics = MetricsRelay.for_pipelines(pipelines, self.global_rank, self.root_device, self.timeout)
         self._steps_run = 0
@@ -464,23 +504,23 @@ class AsyncPipelineStrategy(ParallelStrategy):
         self._model_shapes = {n: tuple(t.shape) for n, t in module.state_dict().items()}
         # A tied copy's training state is checkpointed under the parameter's first name in the whole model (a
         # whole module, on one process, names every parameter by its first name already).
-        self._parameter_aliases = sharded.parameter_aliases(module)
+        self._parameter_aliases = parameter_aliases(module)
         self.stage_layers = own
         # Tied weights are found on the whole model, before other stages' layers are dropped.
-        ties = tied.find_ties(layers, ranges)
-        groups, sources = tied.new_tie_groups(
+        ties = find_ties(layers, ranges)
+        groups, sources = new_tie_groups(
             ties, self.rank_of, self.data_parallel_size, self.replica, self.stage, self.process_group_backend
         )
         recomputed = select_layers(layers, self.activation_checkpointing)
         keep_only_layers(module, layers, own, owner)
-        shared = tied.parameter_slots([layers[i] for i in own])
+        shared = parameter_slots([layers[i] for i in own])
         for index in own:
             if any(t.is_meta for t in (*layers[index].parameters(), *layers[index].buffers())):
                 materialize(module, index, layers[index], self.root_device)
-        tied.retie(shared)
+        retie(shared)
         self._stage_params = stage_params = dict(nn.Sequential(*(layers[i] for i in own)).named_parameters())
-        tied.broadcast_ties(ties, self.stage, stage_params, groups, sources)
-        self._ties = tied.TiedGradients(ties, self.stage, groups) if any(t.requires_grad for t in ties) else None
+        broadcast_ties(ties, self.stage, stage_params, groups, sources)
+        self._ties = TiedGradients(ties, self.stage, groups) if any(t.requires_grad for t in ties) else None
         self._tie_groups = (ties, groups) if ties else None
         checkpoint_layers(layers, [i for i in recomputed if i in own])
         self._localize_metrics(module)
@@ -508,8 +548,14 @@ class AsyncPipelineStrategy(ParallelStrategy):
         params = self._stage_params
         module_names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         try:
-            tied.check_tied_updates(ties, self.stage, params, self.optimizers[0].param_groups, groups,
-                                    display=lambda name: module_names.get(id(params[name]), name))
+            check_tied_updates(
+                ties,
+                self.stage,
+                params,
+                self.optimizers[0].param_groups,
+                groups,
+                display=lambda name: module_names.get(id(params[name]), name),
+            )
         except ValueError as error:
             raise MisconfigurationException(str(error)) from None
 
@@ -731,9 +777,14 @@ class AsyncPipelineStrategy(ParallelStrategy):
         stage, last = self.stage, self.num_stages - 1
         module = self.lightning_module
         self._runtime = StageRuntime(
-            kind="1f1b", stage=stage, num_stages=self.num_stages, num_microbatches=1, layers=self._stage_modules,
+            kind="1f1b",
+            stage=stage,
+            num_stages=self.num_stages,
+            num_microbatches=1,
+            layers=self._stage_modules,
             optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0),
-            inputs_fn=lambda mb: module.pipeline_inputs(mb), loss_fn=lambda out, mb: module.pipeline_loss(out, mb),
+            inputs_fn=lambda mb: module.pipeline_inputs(mb),
+            loss_fn=lambda out, mb: module.pipeline_loss(out, mb),
             device=self.root_device,
             prev_rank=self.rank_of(stage - 1) if stage > 0 else None,
             next_rank=self.rank_of(stage + 1) if stage < last else None,
@@ -772,18 +823,18 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def checkpoint_io(self) -> CheckpointIO:
         io = self._checkpoint_io
         if isinstance(io, _WrappingCheckpointIO):
-            if not isinstance(io.checkpoint_io, sharded.ShardedCheckpointIO):
-                io._checkpoint_io = sharded.ShardedCheckpointIO(metadata_io=io.checkpoint_io)
+            if not isinstance(io.checkpoint_io, ShardedCheckpointIO):
+                io._checkpoint_io = ShardedCheckpointIO(metadata_io=io.checkpoint_io)
                 io._base_checkpoint_io_configured = True
-        elif not isinstance(io, sharded.ShardedCheckpointIO):
-            self._checkpoint_io = io = sharded.ShardedCheckpointIO(metadata_io=io)
+        elif not isinstance(io, ShardedCheckpointIO):
+            self._checkpoint_io = io = ShardedCheckpointIO(metadata_io=io)
         return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
 
-    def _sharded_io(self) -> sharded.ShardedCheckpointIO:
+    def _sharded_io(self) -> ShardedCheckpointIO:
         io = self.checkpoint_io
         return io.checkpoint_io if isinstance(io, _WrappingCheckpointIO) else io
 
@@ -806,9 +857,12 @@ class AsyncPipelineStrategy(ParallelStrategy):
         training_state = "optimizer_states" in checkpoint and bool(self.optimizers)
         shard: dict[str, Any] = {}
         if self.replica == 0:
-            shard = sharded.stage_shard(
-                checkpoint["state_dict"], self.optimizers[0] if training_state else None, self.lightning_module,
-                self._previous_weights() if training_state else None, self.stage if self.multi_process else 0,
+            shard = stage_shard(
+                checkpoint["state_dict"],
+                self.optimizers[0] if training_state else None,
+                self.lightning_module,
+                self._previous_weights() if training_state else None,
+                self.stage if self.multi_process else 0,
                 aliases=self._parameter_aliases,
             )
         meta = None
@@ -819,7 +873,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             if partition is None and is_pipeline_module(self.lightning_module):
                 partition = [range(len(list(self.lightning_module.pipeline_layers())))]
             meta[CHECKPOINT_KEY] = {
-                "format": sharded.FORMAT_VERSION,
+                "format": FORMAT_VERSION,
                 "schedule": self.schedule,
                 "num_stages": self.num_stages,
                 "data_parallel_size": self.data_parallel_size,
@@ -828,7 +882,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
                 "version": version,
                 "has_training_state": training_state,
             }
-        payload = {sharded.SHARD_KEY: True, "shard": shard, "meta": meta}
+        payload = {SHARD_KEY: True, "shard": shard, "meta": meta}
         self.checkpoint_io.save_checkpoint(payload, filepath, storage_options=storage_options)
 
     @override
@@ -847,21 +901,26 @@ class AsyncPipelineStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Read Lightning's metadata and, in place, this stage's tensors, from any stage count it was saved with."""
         self._restored_sharded = False
-        if not sharded.is_sharded_checkpoint(checkpoint_path):
+        if not is_sharded_checkpoint(checkpoint_path):
             return self.checkpoint_io.load_checkpoint(checkpoint_path)  # a single-file (consolidated) checkpoint
         path = checkpoint_path
         meta = self.checkpoint_io.load_checkpoint(path)
         info = meta.get(CHECKPOINT_KEY, {})
-        index = sharded.read_index(path)
+        index = read_index(path)
         module = self.lightning_module
-        shapes = self._model_shapes if self.multi_process else {n: tuple(t.shape) for n, t in module.state_dict().items()}
-        sharded.check_compatible(path, info, index, self.schedule, shapes)
+        shapes = (
+            self._model_shapes if self.multi_process else {n: tuple(t.shape) for n, t in module.state_dict().items()}
+        )
+        check_compatible(path, info, index, self.schedule, shapes)
         trainer = module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers) and info.get("has_training_state")
         if fitting and self._runtime is not None:
             self._runtime.restore_version(info["version"])
-        sharded.load_stage(
-            path, index, state_dict=module.state_dict(), module=module,
+        load_stage(
+            path,
+            index,
+            state_dict=module.state_dict(),
+            module=module,
             optimizer=self.optimizers[0] if fitting else None,
             previous=self._previous_weights() if fitting else None,
             stage=self.stage if self.multi_process else 0,
@@ -869,7 +928,7 @@ class AsyncPipelineStrategy(ParallelStrategy):
             aliases=self._parameter_aliases,
         )
         if fitting:
-            sharded.align_lr_schedulers(meta.get("lr_schedulers", []), self.optimizers)
+            align_lr_schedulers(meta.get("lr_schedulers", []), self.optimizers)
         if info.get("has_training_state"):
             meta["optimizer_states"] = []  # restored above; Lightning only checks that they exist
         self._restored_sharded = True
@@ -965,4 +1024,3 @@ class _SpawnLauncher(_MultiProcessingLauncher):
         if output is not None and output.weights_path is not None:
             self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
         return output
-

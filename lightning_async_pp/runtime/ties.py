@@ -19,7 +19,7 @@ head's copy elsewhere). :func:`check_tied_updates` compares the settings once, b
 a difference.
 
 The module knows nothing of Lightning: the strategy finds the ties before it drops other stages' layers
-and creates the groups; :class:`~lightning_async_pp.pipeline.runtime.StageRuntime` calls
+and creates the groups; :class:`~lightning_async_pp.runtime.stage.StageRuntime` calls
 :meth:`TiedGradients.start` in its update.
 """
 
@@ -117,8 +117,9 @@ def retie(slots: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 @torch.no_grad()
-def broadcast_ties(ties: Sequence[Tie], stage: int, params: dict[str, Tensor], groups: Sequence[Any],
-                   sources: Sequence[int]) -> None:
+def broadcast_ties(
+    ties: Sequence[Tie], stage: int, params: dict[str, Tensor], groups: Sequence[Any], sources: Sequence[int]
+) -> None:
     """Overwrite every copy of each tie with the lowest owning stage's (a collective of each tie's owners).
 
     Args:
@@ -140,9 +141,14 @@ def _group_settings(param: Tensor, param_groups: Sequence[dict[str, Any]]) -> st
     return "not in the optimizer"
 
 
-def check_tied_updates(ties: Sequence[Tie], stage: int, params: dict[str, Tensor],
-                       param_groups: Sequence[dict[str, Any]], groups: Sequence[Any],
-                       display: Callable[[str], str] = str) -> None:
+def check_tied_updates(
+    ties: Sequence[Tie],
+    stage: int,
+    params: dict[str, Tensor],
+    param_groups: Sequence[dict[str, Any]],
+    groups: Sequence[Any],
+    display: Callable[[str], str] = str,
+) -> None:
     """Refuse a tie whose copies sit in optimizer parameter groups with different settings (a collective of
     each tie's owners; call it once, after the optimizer is built).
 
@@ -191,8 +197,12 @@ class TiedGradients:
         self.local_names = {tie.names[stage] for tie in self.ties if stage in tie.names}
         """This stage's names of tied parameters: clipping leaves them out of the local norm."""
 
-    def start(self, grads: dict[str, Tensor], norm_sq: Tensor | None = None, norm_group: Any = None,
-              ) -> Callable[[], Tensor | None]:
+    def start(
+        self,
+        grads: dict[str, Tensor],
+        norm_sq: Tensor | None = None,
+        norm_group: Any = None,
+    ) -> Callable[[], Tensor | None]:
         """Post the sums (non-blocking); the returned function waits for them and writes them into ``grads``.
 
         Without ``norm_sq``: one all-reduce per owned tie over its owners. With ``norm_sq`` (this stage's
@@ -241,8 +251,14 @@ class TiedGradients:
         return finish_with_norm
 
 
-def new_tie_groups(ties: Sequence[Tie], rank_of: Callable[[int, int], int], replicas: int, replica: int,
-                   stage: int, backend: str | None = None) -> tuple[list[Any], list[int]]:
+def new_tie_groups(
+    ties: Sequence[Tie],
+    rank_of: Callable[[int, int], int],
+    replicas: int,
+    replica: int,
+    stage: int,
+    backend: str | None = None,
+) -> tuple[list[Any], list[int]]:
     """Create one process group per tie and replica (a collective: every rank creates every group, in the
     same order).
 
