@@ -112,29 +112,32 @@ def test_pipedream_profile_differs_from_2bw_and_sync():
     assert not torch.equal(finals["sync"]["4.weight"], finals["pipedream"]["4.weight"])
 
 
-def test_uniform_delay_one_equals_delayed_weights():
-    """Every group one step stale is PipeDream-2BW: the same trajectory as DelayedWeights."""
+def test_delayed_weights_match_hand_written_one_step_delay():
+    """DelayedWeights (every parameter one step stale: PipeDream-2BW) against the hand-written loop, exactly."""
     batches = data(8)
     make_opt = OPTIMIZERS["adamw"]
-    model = tiny_mlp()
-    losses, weights = profiled_trajectory(model, DelayProfile.uniform(model, 3, delay=1), batches, make_opt)
+    layer_names = [["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]]
+    ref_losses, ref_weights = reference_trajectory(tiny_mlp(), layer_names, [1], batches, make_opt)
 
-    model2 = tiny_mlp()
-    delayed = DelayedWeights(model2)
-    optimizer = make_opt(model2.parameters())
-    losses2 = []
+    model = tiny_mlp()
+    delayed = DelayedWeights(model)
+    optimizer = make_opt(model.parameters())
+    losses = []
     for x, y in batches:
 
         def closure():
             optimizer.zero_grad()
-            loss = loss_fn(model2(x), y)
+            loss = loss_fn(model(x), y)
             loss.backward()
             return loss
 
-        losses2.append(optimizer.step(delayed.wrap_closure(closure)).item())
-    assert losses == losses2
-    for name, p in model2.named_parameters():
-        assert torch.equal(weights[name], p.detach())
+        losses.append(optimizer.step(delayed.wrap_closure(closure)).item())
+    assert losses == ref_losses
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value.detach(), ref_weights[name], rtol=0, atol=0)
+    assert [n for n, _ in model.named_parameters()] == delayed.names
+    # The stored previous weights are the last step's: w[t-1] for the next step.
+    assert not torch.equal(delayed.previous[0], model[0].weight.detach())
 
 
 def test_lightning_hook_uniform_profile_equals_2bw_strategy():

@@ -5,23 +5,29 @@ applies it to the current ones::
 
     w[t+1] = w[t] - u(grad f(w[t-1]), batch t),        w[-1] = w[0]
 
-One process reproduces that by keeping a copy of last step's weights: swap them in for the forward and
-backward pass, swap the current weights back, and let the optimizer step as usual. The optimizer state
+That is the delay profile (see :mod:`lightning_async_pp.reference.profile`) in which every trainable
+parameter is one step stale: one process keeps a copy of last step's weights, swaps it in for the forward and
+backward pass, swaps the current weights back and lets the optimizer step as usual. The optimizer state
 advances once per step with the delayed gradient and is never rewound. Memory: one extra copy of the
 trainable parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.reference.profile import DelayProfile
 
-class DelayedWeights:
+__all__ = ["DelayedWeights"]
+
+
+class DelayedWeights(DelayProfile):
     """Holds ``w[t-1]`` for the trainable parameters of ``module`` and computes gradients there.
+
+    :meth:`wrap_closure` runs a closure (forward and backward) on ``w[t-1]``; afterwards the parameters hold
+    ``w[t]`` again, with their ``.grad`` computed at ``w[t-1]``, and the stored previous weights are ``w[t]``,
+    ready for the next step.
 
     Args:
         module: The model whose trainable parameters are delayed.
@@ -29,36 +35,16 @@ class DelayedWeights:
     """
 
     def __init__(self, module: nn.Module, previous: dict[str, Tensor] | None = None) -> None:
-        self.names = [name for name, p in module.named_parameters() if p.requires_grad]
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.previous = [p.detach().clone() for p in self.params]
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        super().__init__([[p for _, p in named]], [1])
+        self.names = [name for name, _ in named]
         if previous is not None:
             self.load_state_dict(previous)
 
-    @torch.no_grad()
-    def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """Return a closure that runs ``closure`` (forward and backward) on ``w[t-1]``.
-
-        Afterwards the parameters hold ``w[t]`` again, with their ``.grad`` computed at ``w[t-1]``, and the
-        stored previous weights become ``w[t]``, ready for the next step. The optimizer then steps ``w[t]``.
-        """
-
-        def delayed_closure() -> Any:
-            current = [p.data for p in self.params]
-            for p, old in zip(self.params, self.previous):
-                p.data = old
-            try:
-                with torch.enable_grad():
-                    result = closure()
-            finally:
-                for p, now in zip(self.params, current):
-                    p.data = now
-            with torch.no_grad():
-                for old, now in zip(self.previous, current):
-                    old.copy_(now)
-            return result
-
-        return delayed_closure
+    @property
+    def previous(self) -> list[Tensor]:
+        """``w[t-1]``, one tensor per trainable parameter, in the order of :attr:`names`."""
+        return self.history[0][0]
 
     def state_dict(self) -> dict[str, Tensor]:
         return {name: t.detach().clone() for name, t in zip(self.names, self.previous)}
