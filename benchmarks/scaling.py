@@ -2,9 +2,9 @@
 
 For every ``P`` in ``--stages`` and ``M`` in ``{P, 2P, 4P}`` (``--multipliers``), the schedule simulator
 (:func:`lightning_async_pp.schedule.simulate.simulate`) times the action lists that the runtime executes
-(:func:`~lightning_async_pp.schedule.build_schedule` for ``"2bw"`` and ``"1f1b"``) and a GPipe
-list built here from the same :class:`~lightning_async_pp.schedule.Action` objects (all forwards of
-a step, then all backwards, then the update). Every stage costs ``forward`` per micro-batch forward and
+(:func:`~lightning_async_pp.schedule.build_schedule` for ``"2bw"`` and ``"1f1b"``) and the GPipe
+lists of :func:`~lightning_async_pp.schedule.gpipe_schedule` (all forwards of a step, then all backwards,
+then the update). Every stage costs ``forward`` per micro-batch forward and
 ``backward_ratio * forward`` per backward (default 2), plus ``transfer`` between stages.
 
 Reported per ``(P, M)``: the steady-state throughput of 2BW relative to 1F1B and to GPipe (the bubble model
@@ -29,29 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_async_pp.schedule import Action, Op, Schedule, build_schedule
+from lightning_async_pp.schedule import Op, Schedule, build_schedule, gpipe_schedule
 from lightning_async_pp.schedule.simulate import SimulationResult, StageCosts, simulate
 
 KINDS = ("2bw", "1f1b", "gpipe")
-
-
-def gpipe_schedule(num_stages: int, num_microbatches: int, num_steps: int) -> Schedule:
-    """GPipe as a :class:`Schedule`: per step, all forwards, all backwards (in order), then the update.
-
-    Not a schedule the runtime executes (``torch.distributed.pipelining.ScheduleGPipe`` is); built from the
-    same action objects so that the simulator times it exactly like the others. No send/recv actions: the
-    simulator then lets each F/B wait directly for its neighbour's result (plus ``transfer``).
-    """
-    P, M = num_stages, num_microbatches
-    stages = []
-    for s in range(P):
-        actions = []
-        for t in range(num_steps):
-            actions += [Action(s, Op.FORWARD, t, m, t, M) for m in range(M)]
-            actions += [Action(s, Op.BACKWARD, t, m, t, M) for m in range(M)]
-            actions.append(Action(s, Op.UPDATE, t, -1, t + 1, M))
-        stages.append(actions)
-    return Schedule("gpipe", P, M, num_steps, stages, with_comm=False)
 
 
 def schedule_of(kind: str, num_stages: int, num_microbatches: int, num_steps: int) -> Schedule:

@@ -1,5 +1,45 @@
-"""Schedules as data, in pure Python (no torch): actions, their generation, verification, transfer ordering,
-simulation and layer partitioning."""
+"""Schedules as data, in pure Python (no torch).
 
-from lightning_async_pp.schedule.schedule import *  # noqa: F403
-from lightning_async_pp.schedule.schedule import __all__  # noqa: F401
+The action IR (:mod:`~lightning_async_pp.schedule.ir`: :class:`Op`, :class:`Action` and its printed form,
+the schedule kinds and their weight versions), its generation (:mod:`~lightning_async_pp.schedule.generate`),
+verification (:mod:`~lightning_async_pp.schedule.verify`), the ordering of transfers under NCCL's semantics
+(:mod:`~lightning_async_pp.schedule.transfers`), timing (:mod:`~lightning_async_pp.schedule.simulate`) and
+layer partitioning (:mod:`~lightning_async_pp.schedule.partition`).
+"""
+
+from lightning_async_pp.schedule.generate import (
+    Schedule,
+    StageFootprint,
+    build_schedule,
+    drain_actions,
+    evaluation_actions,
+    gpipe_schedule,
+    stage_footprint,
+    step_actions,
+)
+from lightning_async_pp.schedule.ir import SCHEDULES, Action, Op, validate, weight_buffer, weight_version
+from lightning_async_pp.schedule.transfers import PostingPlan, check_transfers, host_program, posting_plan
+from lightning_async_pp.schedule.verify import check, liveness_trace
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Op",
+    "PostingPlan",
+    "Schedule",
+    "StageFootprint",
+    "build_schedule",
+    "check",
+    "check_transfers",
+    "drain_actions",
+    "evaluation_actions",
+    "gpipe_schedule",
+    "host_program",
+    "liveness_trace",
+    "posting_plan",
+    "stage_footprint",
+    "step_actions",
+    "validate",
+    "weight_buffer",
+    "weight_version",
+]

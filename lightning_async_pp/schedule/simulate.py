@@ -28,7 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lightning_async_pp.schedule.schedule import Action, Op, Schedule, _needs, _run_in_order, liveness_trace
+from lightning_async_pp.schedule.generate import Schedule
+from lightning_async_pp.schedule.ir import Action, Op
+from lightning_async_pp.schedule.verify import liveness_trace, needed_event, run_in_order
 
 __all__ = ["DeadlockError", "Event", "SimulationResult", "StageCosts", "plot_gantt", "render_gantt", "simulate"]
 
@@ -176,18 +178,9 @@ def simulate(
     per_stage = _stage_costs(costs, P)
     if transfer < 0:
         raise ValueError(f"transfer must be >= 0, got {transfer}")
-    overhead = [float(step_overhead)] * P if isinstance(step_overhead, (int, float)) else list(step_overhead)
-    if len(overhead) != P or min(overhead) < 0:
-        raise ValueError(f"step_overhead must be >= 0, one value or one per stage ({P}), got {step_overhead!r}")
+    overhead = _step_overheads(step_overhead, P)
     comm = any(a.is_comm for acts in schedule.stages for a in acts)
-    # The first action of each step on each stage (its first forward, or that forward's receive).
-    step_start: dict[tuple[int, Action], int] = {}
-    for s, acts in enumerate(schedule.stages):
-        seen: set[int] = set()
-        for a in acts:
-            if a.op is not Op.UPDATE and a.step not in seen:
-                seen.add(a.step)
-                step_start[(s, a)] = a.step
+    step_start = _step_starts(schedule)
     release: dict[int, float] = {}  # step -> when the last of the stages reaches it (step_sync)
     while True:
         timelines, reached = _timelines(
@@ -197,6 +190,32 @@ def simulate(
             break
         # Start times only grow from one pass to the next; a few passes settle them.
         release = reached
+    return _result(schedule, timelines, per_stage)
+
+
+def _step_overheads(step_overhead: Sequence[float] | float, num_stages: int) -> list[float]:
+    overhead = [float(step_overhead)] * num_stages if isinstance(step_overhead, (int, float)) else list(step_overhead)
+    if len(overhead) != num_stages or min(overhead) < 0:
+        raise ValueError(
+            f"step_overhead must be >= 0, one value or one per stage ({num_stages}), got {step_overhead!r}"
+        )
+    return overhead
+
+
+def _step_starts(schedule: Schedule) -> dict[tuple[int, Action], int]:
+    """The first action of each step on each stage (its first forward, or that forward's receive) -> the step."""
+    step_start: dict[tuple[int, Action], int] = {}
+    for s, acts in enumerate(schedule.stages):
+        seen: set[int] = set()
+        for a in acts:
+            if a.op is not Op.UPDATE and a.step not in seen:
+                seen.add(a.step)
+                step_start[(s, a)] = a.step
+    return step_start
+
+
+def _result(schedule: Schedule, timelines: list[list[Event]], per_stage: list[StageCosts]) -> SimulationResult:
+    """The figures of :class:`SimulationResult` measured on ``timelines``."""
     makespan = max((ev.end for tl in timelines for ev in tl), default=0.0)
     busy = [sum(ev.end - ev.start for ev in tl if ev.action.is_compute) for tl in timelines]
     utilization = [b / makespan if makespan > 0 else 1.0 for b in busy]
@@ -263,7 +282,7 @@ def _timelines(
         timelines[s].append(Event(a, start, end))
         clock[s] = end
 
-    stuck = _run_in_order(schedule, visit)
+    stuck = run_in_order(schedule, visit)
     if stuck:
         detail = "; ".join(f"stage {s} waits at {a} ({_describe_wait(a, P, comm)})" for s, a in stuck)
         raise DeadlockError(f"{schedule.kind} schedule with {P} stages deadlocks: {detail}")
@@ -284,7 +303,7 @@ def _window_bounds(timeline: list[Event], window: tuple[int, int], makespan: flo
 
 
 def _describe_wait(a: Action, num_stages: int, with_comm: bool) -> str:
-    need = _needs(a, num_stages, with_comm)
+    need = needed_event(a, num_stages, with_comm)
     if need is None:
         return "nothing"
     forward, stage, step, mb = need

@@ -1,0 +1,237 @@
+"""Transfer ordering under NCCL's point-to-point semantics.
+
+:func:`posting_plan` says when :class:`~lightning_async_pp.runtime.stage.StageRuntime` posts the
+receives of one segment of actions (the sends are posted at their action), :func:`host_program` spells
+out what one stage's host then does, segment after segment, and :func:`check_transfers` runs the
+stages' programs against each other under a model of NCCL's queues to show they cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from lightning_async_pp.schedule.ir import Action, Op
+
+__all__ = ["PostingPlan", "check_transfers", "host_program", "posting_plan"]
+
+_PREV_LINK = (Op.RECV_F, Op.SEND_B)  # operations on the link with stage - 1
+_NEXT_LINK = (Op.SEND_F, Op.RECV_B)  # operations on the link with stage + 1
+_RECEIVES = (Op.RECV_F, Op.RECV_B)
+
+
+@dataclass(frozen=True)
+class PostingPlan:
+    """When a stage posts the receives of one segment of actions (sends are posted at their action).
+
+    Args:
+        start: receive ops (``RECV_F`` for the link with the previous stage, ``RECV_B`` for the next one)
+            whose link's first receive is posted when the segment starts.
+        post_next: per action: post the next receive of the action's link with it, batched with the send
+            (a ``SEND_*``) or right after the receive completed (a ``RECV_*``).
+    """
+
+    start: frozenset[Op]
+    post_next: tuple[bool, ...]
+
+
+def posting_plan(actions: Sequence[Action], eager: bool = False) -> PostingPlan:
+    """How :class:`~lightning_async_pp.runtime.stage.StageRuntime` posts the transfers of ``actions``.
+
+    Each receive is posted as early as possible without overtaking an earlier operation of its link: at
+    the segment start when it is its link's first operation, batched with the send right before it on
+    its link, or right after the receive right before it on its link completed. Per link, operations are
+    therefore posted in the schedule's order, and the transfer overlaps the compute in between.
+
+    Args:
+        actions: one segment of one stage (:func:`step_actions`, :func:`drain_actions` or an evaluation).
+        eager: the plan before transfers were batched: each link's first receive posted at the segment
+            start and each next one as soon as the previous one completed, ahead of sends. On NCCL it
+            deadlocks (:func:`check_transfers` shows it); kept to test the model.
+    """
+    post_next = [False] * len(actions)
+    start: set[Op] = set()
+    for link in (_PREV_LINK, _NEXT_LINK):
+        positions = [k for k, a in enumerate(actions) if a.op in link]
+        receives = [k for k in positions if actions[k].op in _RECEIVES]
+        if not receives:
+            continue
+        start.add(actions[receives[0]].op)
+        if eager:
+            for k in receives[:-1]:
+                post_next[k] = True
+            continue
+        if receives[0] != positions[0]:
+            start.discard(actions[receives[0]].op)
+        for before, k in zip(positions, positions[1:]):
+            if actions[k].op in _RECEIVES:
+                post_next[before] = True
+    return PostingPlan(frozenset(start), tuple(post_next))
+
+
+# A transfer operation in the model: (role "S"/"R", link (lower stage, upper stage), message), the message
+# being (direction "F"/"B", step, micro-batch).
+_TransferOp = tuple[str, tuple[int, int], tuple[str, int, int]]
+
+
+def _transfer_op(a: Action, role: str | None = None) -> _TransferOp:
+    peer = a.peer
+    assert peer is not None
+    forward = a.op in (Op.SEND_F, Op.RECV_F)
+    if role is None:
+        role = "S" if a.op in (Op.SEND_F, Op.SEND_B) else "R"
+    return (role, (min(a.stage, peer), max(a.stage, peer)), ("F" if forward else "B", a.step, a.microbatch))
+
+
+def host_program(segments: Iterable[Sequence[Action]], eager: bool = False) -> list[tuple]:
+    """What one stage's host does with transfers, segment after segment, under :func:`posting_plan`.
+
+    Items are ``("post", ops)`` (one :func:`torch.distributed.batch_isend_irecv` call) and
+    ``("wait", op)`` (waiting for a receive before the compute that needs it). A wait on NCCL does not
+    block the host but orders the compute stream behind the transfer, and every later send or receive
+    is ordered behind that compute, so blocking the host at the wait models the same dependencies.
+    """
+    items: list[tuple] = []
+    for actions in segments:
+        plan = posting_plan(actions, eager)
+        pending = {op: [a for a in actions if a.op is op] for op in _RECEIVES}
+        posted: dict[Op, _TransferOp] = {}
+
+        def next_receive(op: Op) -> list[_TransferOp]:
+            if op in posted or not pending[op]:
+                return []
+            posted[op] = _transfer_op(pending[op].pop(0))
+            return [posted[op]]
+
+        for op in sorted(plan.start):
+            items.append(("post", tuple(next_receive(op))))
+        for k, a in enumerate(actions):
+            if not a.is_comm:
+                continue
+            receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
+            if a.op in _RECEIVES:
+                if a.op not in posted:
+                    items.append(("post", tuple(next_receive(a.op))))
+                expected = _transfer_op(a)
+                if posted.pop(a.op) != expected:
+                    raise AssertionError(f"stage {a.stage}: receives posted out of order at {a}")
+                items.append(("wait", expected))
+                if plan.post_next[k] and (more := next_receive(receive_op)):
+                    items.append(("post", tuple(more)))
+            else:
+                batch = [_transfer_op(a)]
+                if plan.post_next[k]:
+                    batch += next_receive(receive_op)
+                items.append(("post", tuple(batch)))
+        if posted:
+            raise AssertionError(f"receives {sorted(posted.values())} stay posted after the segment")
+    return items
+
+
+def check_transfers(programs: Sequence[Sequence[tuple]], rendezvous: bool = True, per_link: bool = True) -> None:
+    """Run the stages' :func:`host_program` against each other under NCCL's point-to-point semantics.
+
+    Model: each stage posts batches on a queue per link (``per_link=False``: one queue per stage, as
+    when all links share one communicator); a queue starts its next batch only once the previous one has
+    completed, and a batch completes when each of its operations has. A receive completes once the
+    peer's matching send has started (its batch is at the head of the peer's queue); with ``rendezvous``
+    a send also waits for the matching receive to start (large NCCL messages do), otherwise it completes
+    as soon as it starts. A stage's host blocks at a wait until the receive's batch has completed.
+
+    Args:
+        programs: one :func:`host_program` per stage, in stage order.
+        rendezvous: whether a send waits for its receive to start.
+        per_link: one queue per link and stage (separate communicators) rather than one per stage.
+
+    Raises:
+        AssertionError: naming where each stage is stuck if the programs deadlock, or if anything is left
+            posted at the end.
+    """
+    model = _NcclModel(rendezvous, per_link)
+    pc = [0] * len(programs)
+    progress = True
+    while progress:
+        progress = False
+        for s, program in enumerate(programs):
+            start = pc[s]
+            pc[s] = model.run_host(s, program, start)
+            progress |= pc[s] != start
+        progress |= model.complete_batches()
+    stuck = [f"stage {s} waits at {programs[s][pc[s]]}" for s in range(len(programs)) if pc[s] < len(programs[s])]
+    left = [f"stage {b[1]} has {b[2]} posted" for q in model.queues.values() for b in q]
+    if stuck or left:
+        raise AssertionError("transfers deadlock: " + "; ".join((stuck + left)[:6]))
+
+
+@dataclass
+class _NcclModel:
+    """The state of :func:`check_transfers`: the posted batches per queue and what has completed.
+
+    A batch is ``(id, stage, ops)``; the id tells apart equal batches posted at different points.
+    """
+
+    rendezvous: bool
+    per_link: bool
+    queues: dict[tuple, collections.deque] = field(default_factory=lambda: collections.defaultdict(collections.deque))
+    where: dict[tuple, tuple] = field(default_factory=dict)  # (stage, op) -> its batch
+    done: set[tuple] = field(default_factory=set)  # (stage, op) completed
+    finished: set[int] = field(default_factory=set)  # ids of completed batches
+
+    def queue_of(self, stage: int, op: _TransferOp) -> tuple:
+        return (stage, op[1]) if self.per_link else (stage,)
+
+    def started(self, stage: int, op: _TransferOp) -> bool:
+        batch = self.where.get((stage, op))
+        return batch is not None and (self.queues[self.queue_of(stage, op)] or [None])[0] is batch
+
+    def run_host(self, s: int, program: Sequence[tuple], pc: int) -> int:
+        """Advance stage ``s``'s host from item ``pc`` until it blocks at a wait; return where it stopped."""
+        while pc < len(program):
+            kind, arg = program[pc]
+            if kind == "post":
+                if arg:
+                    self.post(s, arg)
+            elif id(self.where[(s, arg)]) not in self.finished:
+                break
+            pc += 1
+        return pc
+
+    def post(self, s: int, ops: tuple) -> None:
+        batch = (id(ops), s, ops)
+        keys = {self.queue_of(s, op) for op in ops}
+        if len(keys) != 1:
+            raise AssertionError(f"stage {s}: one batch spans several queues: {ops}")
+        self.queues[keys.pop()].append(batch)
+        for op in ops:
+            self.where[(s, op)] = batch
+
+    def complete_batches(self) -> bool:
+        """Complete what the peers' posted operations allow, head of each queue first; whether any did."""
+        progress = False
+        for queue in list(self.queues.values()):
+            while queue:
+                batch = queue[0]
+                s, ops = batch[1], batch[2]
+                for op in ops:
+                    if (s, op) in self.done:
+                        continue
+                    peer, match = _peer_of(s, op)
+                    if (
+                        (op[0] == "S" and not self.rendezvous)
+                        or self.started(peer, match)
+                        or (peer, match) in self.done
+                    ):
+                        self.done.add((s, op))
+                if not all((s, op) in self.done for op in ops):
+                    break
+                queue.popleft()
+                self.finished.add(id(batch))
+                progress = True
+        return progress
+
+
+def _peer_of(stage: int, op: _TransferOp) -> tuple[int, _TransferOp]:
+    """The peer of ``op`` and the operation it posts to match it."""
+    low, high = op[1]
+    return (high if stage == low else low), ("R" if op[0] == "S" else "S", op[1], op[2])
