@@ -86,7 +86,7 @@ def run_layers(layers: Sequence[nn.Module], x: Any, batch: Any = None) -> Any:
     return x
 
 
-class Stage(nn.Sequential):
+class StageModule(nn.Sequential):
     """Consecutive pipeline layers as one module, called as ``stage(x, batch)``."""
 
     def forward(self, x: Any, batch: Any = None) -> Any:

@@ -20,10 +20,10 @@ import zlib
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_async_pp.runtime.host_flag import HostFlag
+from lightning_async_pp.runtime.microbatch import tensors_of
 
 SAMPLE = 1 << 14
 _SPREAD, _OFFSET, _MIX = 0x2545F4914F6CDD1D, 0x1B873593, 0x5851F42D4C957F2D
@@ -56,8 +56,7 @@ def fingerprint(batch: Any) -> Tensor:
     Returns:
         An int64 tensor of shape ``(2,)`` on the device of the batch's first tensor.
     """
-    tensors: list[Tensor] = []
-    apply_to_collection(batch, Tensor, tensors.append)
+    tensors = tensors_of(batch)
     if not tensors:
         return torch.zeros(2, dtype=torch.int64)
     device = tensors[0].device

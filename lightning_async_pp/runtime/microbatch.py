@@ -1,16 +1,54 @@
-"""Splitting a batch into equal micro-batches along its first dimension."""
+"""Splitting a batch into equal micro-batches along its first dimension, and walking the tensors of a batch."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
 
+def map_tensors(data: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``data`` with every tensor ``t`` in it replaced by ``fn(t)``, visited in order.
+
+    Walks what a batch is made of: mappings (their type kept, ``defaultdict`` with its factory), named tuples,
+    lists, tuples and other sequences (not strings), and dataclass instances (a shallow copy with the fields
+    that ``__init__`` takes mapped). Anything else is returned as it is.
+
+    Args:
+        data: A tensor or a collection of tensors.
+        fn: Applied to each tensor.
+    """
+    if isinstance(data, Tensor):
+        return fn(data)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        result = copy.copy(data)
+        for f in dataclasses.fields(data):
+            if f.init:
+                object.__setattr__(result, f.name, map_tensors(getattr(data, f.name), fn))
+        return result
+    if isinstance(data, Mapping):
+        items = {k: map_tensors(v, fn) for k, v in data.items()}
+        return type(data)(data.default_factory, items) if isinstance(data, defaultdict) else type(data)(items)
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a named tuple
+        return type(data)(*(map_tensors(d, fn) for d in data))
+    if isinstance(data, Sequence) and not isinstance(data, str):
+        return type(data)([map_tensors(d, fn) for d in data])
+    return data
+
+
+def tensors_of(data: Any) -> list[Tensor]:
+    """The tensors in ``data``, in the order :func:`map_tensors` visits them."""
+    tensors: list[Tensor] = []
+    map_tensors(data, tensors.append)
+    return tensors
+
+
 def batch_size_of(batch: Any) -> int:
-    sizes: list[int] = []
-    apply_to_collection(batch, Tensor, lambda t: sizes.append(t.shape[0]) if t.dim() > 0 else None)
+    sizes = [t.shape[0] for t in tensors_of(batch) if t.dim() > 0]
     if not sizes:
         raise ValueError("The batch holds no tensor with a batch dimension, so it cannot be split into micro-batches.")
     if len(set(sizes)) != 1:
@@ -35,7 +73,7 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
         return [batch]
     step = size // num_microbatches
     return [
-        apply_to_collection(batch, Tensor, lambda t, i=i: t[i * step : (i + 1) * step] if t.dim() > 0 else t)
+        map_tensors(batch, lambda t, i=i: t[i * step : (i + 1) * step] if t.dim() > 0 else t)
         for i in range(num_microbatches)
     ]
 

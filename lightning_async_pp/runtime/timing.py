@@ -1,23 +1,172 @@
-"""Per-stage step statistics, relayed to global rank 0 without stalling the pipeline.
+"""Where a stage's time goes: per-step statistics, the action trace, and their relay to global rank 0.
 
-Every stage but the one on rank 0 posts a small non-blocking send per step; rank 0 polls its posted
-receives between steps and hands complete records to a callback. A blocking gather would make every
-stage wait for the slowest one at every step, which is exactly the bubble 2BW removes.
+:class:`StepTimer` times a stage's actions with an :class:`ActionClock` and sums them into one
+:class:`StepStats` per step; with a trace, it also keeps the start and end of every action.
+
+Every stage but the one on rank 0 posts a small non-blocking send per step (:class:`StatsRelay`); rank 0
+polls its posted receives between steps and hands complete records to a callback. A blocking gather would
+make every stage wait for the slowest one at every step, which is exactly the bubble 2BW removes.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_async_pp.runtime.stage import StepStats
+from lightning_async_pp.schedule import Action, Op
 
 FIELDS = ("step", "wall", "forward", "backward", "wait", "update", "version_lag")
+_TIMED = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.RECV_F: "wait", Op.RECV_B: "wait", Op.UPDATE: "update"}
+
+
+@dataclass
+class StepStats:
+    """Where one stage's time went while the trainer processed one step (seconds)."""
+
+    step: int
+    wall: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    wait: float = 0.0
+    update: float = 0.0
+    version_lag: int = 0
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.wait / self.wall if self.wall > 0 else 0.0
+
+
+class ActionClock:
+    """Marks points in a stage's work: CUDA events on a CUDA device (device time, read once the device got
+    there, so timing never makes the host wait), the wall clock otherwise. Either way a wait for a transfer
+    counts as the time the stage's compute stood still.
+
+    Args:
+        device: The stage's device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._origin: tuple[Any, float] | None = None
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if self._origin is None:  # ties device time to the host clock, for the trace
+            self._origin = (event, time.perf_counter())
+        return event
+
+    def ready(self, mark: Any) -> bool:
+        return not self.cuda or mark.query()
+
+    def seconds(self, begin: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - begin
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    def time(self, mark: Any) -> float:
+        """Seconds on the host's ``perf_counter`` scale."""
+        if not self.cuda:
+            return mark
+        assert self._origin is not None
+        return self._origin[1] + self.seconds(self._origin[0], mark)
+
+
+@dataclass
+class _StepTiming:
+    stats: StepStats | None  # None: actions of no step (a drain, an evaluation), kept for the trace only
+    start: Any
+    end: Any = None
+    actions: list[tuple[str | None, str, Any, Any]] = field(default_factory=list)
+
+
+class StepTimer:
+    """Times a stage's actions and turns them into one :class:`StepStats` per step, and into a trace.
+
+    On CUDA the clock's marks are read only once the device has passed them, so a step's statistics usually
+    come out a step or two after the step (:meth:`pop_ready`), never making the host wait, except at
+    :meth:`resolve` with ``wait_beyond=0``.
+
+    Args:
+        device: The stage's device.
+        trace: Keep the start and end time of every action in :attr:`events`.
+        trace_window: How many actions :attr:`events` keeps (a sliding window, so long runs stay bounded).
+    """
+
+    def __init__(self, device: torch.device, trace: bool = False, trace_window: int = 20_000) -> None:
+        self.clock = ActionClock(device)
+        self.trace = trace
+        self.events: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=trace_window)
+        """The traced actions as ``(label, start, end)``, in seconds on the host's ``perf_counter`` scale."""
+        self._step: _StepTiming | None = None
+        self._timings: collections.deque[_StepTiming] = collections.deque()
+        self._ready: collections.deque[StepStats] = collections.deque()
+
+    @property
+    def active(self) -> bool:
+        """Whether actions are timed now (inside a step, or always when tracing)."""
+        return self._step is not None or self.trace
+
+    def begin_step(self, step: int) -> None:
+        self._step = _StepTiming(StepStats(step), self.clock.mark())
+
+    def end_step(self, version_lag: int) -> None:
+        """Close the step :meth:`begin_step` opened; read what the device has finished."""
+        timing, self._step = self._step, None
+        assert timing is not None and timing.stats is not None
+        timing.end = self.clock.mark()
+        timing.stats.version_lag = version_lag
+        self._timings.append(timing)
+        self.resolve(wait_beyond=2)
+
+    def record(self, action: Action, label: str, begin: Any, end: Any) -> None:
+        """Count one action, which ran from clock mark ``begin`` to ``end``."""
+        entry = (_TIMED.get(action.op), label, begin, end)
+        if self._step is not None:
+            self._step.actions.append(entry)
+        else:  # traced, but part of no step's statistics
+            self._timings.append(_StepTiming(None, begin, end, [entry]))
+
+    def resolve(self, wait_beyond: int) -> None:
+        """Read the timings the device has completed (and those older than ``wait_beyond`` records)."""
+        clock = self.clock
+        while self._timings:
+            timing = self._timings[0]
+            if len(self._timings) <= wait_beyond and not clock.ready(timing.end):
+                break
+            self._timings.popleft()
+            stats = timing.stats
+            for name, label, begin, end in timing.actions:
+                if stats is not None and name is not None:
+                    setattr(stats, name, getattr(stats, name) + clock.seconds(begin, end))
+                if self.trace:
+                    self.events.append((label, clock.time(begin), clock.time(end)))
+            if stats is not None:
+                stats.wall = clock.seconds(timing.start, timing.end)
+                self._ready.append(stats)
+
+    def pop_ready(self) -> StepStats | None:
+        """The oldest step whose statistics are known, or ``None``."""
+        return self._ready.popleft() if self._ready else None
+
+    def take(self) -> list[StepStats]:
+        """Every step's statistics not handed out yet (waits for the device)."""
+        self.resolve(wait_beyond=0)
+        out = list(self._ready)
+        self._ready.clear()
+        return out
 
 
 def encode(stats: StepStats) -> Tensor:
