@@ -135,14 +135,14 @@ def gather_save(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of the job (Lightning's launcher starts the others by re-running this command)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import loader, random_batches
+    sys.path.insert(0, str(ROOT))
     from lightning.pytorch import Callback, Trainer
 
     from lightning_async_pp import AsyncPipelineStrategy
     from lightning_async_pp import checkpoint as sharded
     from lightning_async_pp.demos import GPT
     from lightning_async_pp.optim import DelayCorrected
+    from tests.fixtures.helpers import loader, random_batches
 
     torch.set_num_threads(1)
     out = Path(args.out_dir)

@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_common  # noqa: E402
-from helpers import fit, random_batches, tiny_gpt  # noqa: E402
-from pipeline_run import make_optimizer  # noqa: E402
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
+from tests.fixtures.helpers import fit, random_batches, tiny_gpt  # noqa: E402
+from tests.multiprocess.scripts.pipeline_run import make_optimizer  # noqa: E402
 
 EXACT = {"width": 64, "seq": 32, "batch": 16, "layers": 4, "steps": 10, "microbatches": 4}
 PROBE = {"width": 64, "seq": 32, "layers": 8}  # batch: 2 samples per micro-batch
@@ -56,10 +56,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 def run_pipeline(
     accelerator: str, devices: int, schedule: str, microbatches: int, steps: int, out: Path, watchdog: float, size: dict
 ) -> dict:
-    """One multi-process training job (tests/pipeline_run.py); raises on failure or when the watchdog fires."""
+    """One multi-process training job (tests/multiprocess/scripts/pipeline_run.py); raises on failure or when the
+    watchdog fires."""
     command = [
         sys.executable,
-        str(ROOT / "tests" / "pipeline_run.py"),
+        "-m",
+        "tests.multiprocess.scripts.pipeline_run",
         "--accelerator",
         accelerator,
         "--devices",
