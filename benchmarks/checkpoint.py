@@ -198,7 +198,7 @@ def worker(args: argparse.Namespace) -> None:
                             optimizer=strategy.optimizers[0],
                             previous=strategy._previous_weights(),
                             stage=strategy.stage,
-                            process_group=strategy._groups["checkpoint"],
+                            process_group=strategy._groups.checkpoint,
                         )
                 dist.barrier()
                 record[f"{method}_load_s"] = time.perf_counter() - begin

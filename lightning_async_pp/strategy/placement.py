@@ -1,5 +1,8 @@
 """Which layers go to which stage, keeping only a stage's layers on a rank, materialising them from meta.
 
+:func:`place_stage` does all of it for one rank and returns a :class:`StagePlacement`, the record of what the
+rank keeps (its layers and parameters, the weights it shares with other stages).
+
 Building a model for a pipeline on the meta device, layers only.
 
 With several stages, ``trainer.init_module(empty_init=True)`` and ``configure_model`` build the model without
@@ -13,23 +16,43 @@ torchmetrics ``Metric`` (zeros, ``-inf``, counts) and the tensors a LightningMod
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
+from lightning_async_pp.checkpoint import parameter_aliases
 from lightning_async_pp.runtime.contract import reads_batch
+from lightning_async_pp.runtime.recompute import ActivationCheckpointing, checkpoint_layers, select_layers
+from lightning_async_pp.runtime.ties import (
+    Tie,
+    TiedGradients,
+    broadcast_ties,
+    check_tied_updates,
+    find_ties,
+    new_tie_groups,
+    parameter_slots,
+    retie,
+)
 from lightning_async_pp.schedule.partition import (
     balanced_partition,
     count_parameters,
     partition_from_split_points,
     stage_ranges,
 )
+from lightning_async_pp.strategy.topology import PipelineDims
+
+log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 
 
 class RemoteLayer(nn.Module):
@@ -188,6 +211,181 @@ def measure_layer_times(
         times.append(sorted(samples[1:])[len(samples[1:]) // 2])
         x = out.detach()
     return times
+
+
+@dataclass
+class StagePlacement:
+    """What one rank keeps of the model once its stage is placed.
+
+    Attributes:
+        module: The LightningModule that was cut (its other stages' layers are gone).
+        partition: Every stage's layer indices.
+        stage_layers: This stage's layer indices.
+        modules: This stage's layers, in order.
+        params: This stage's parameters, named as ``nn.Sequential(*modules)`` names them (the runtime's naming).
+        model_shapes: The whole model's state-dict names and shapes; a checkpoint is checked against them.
+        parameter_aliases: A tied copy's name to the parameter's first name in the whole model, under which its
+            training state is checkpointed.
+        ties: The weights this model shares across stages (found on the whole model).
+        tie_groups: One process group per tie, for the tie's owners in this replica.
+        tied_gradients: Sums the gradients of this stage's tied parameters; ``None`` when none is trained.
+    """
+
+    module: LightningModule
+    partition: list[range]
+    stage_layers: range
+    modules: list[nn.Module]
+    params: dict[str, nn.Parameter]
+    model_shapes: dict[str, tuple[int, ...]]
+    parameter_aliases: dict[str, str]
+    ties: list[Tie]
+    tie_groups: list[Any]
+    tied_gradients: TiedGradients | None
+
+    def check_tied_updates(self, stage: int, optimizer: Optimizer) -> None:
+        """Refuse tied copies that ``optimizer`` would update differently (a collective of each tie's owners)."""
+        if not self.ties:
+            return
+        params = self.params
+        module_names = {id(p): n for n, p in self.module.named_parameters()}
+        try:
+            check_tied_updates(
+                self.ties,
+                stage,
+                params,
+                optimizer.param_groups,
+                self.tie_groups,
+                display=lambda name: module_names.get(id(params[name]), name),
+            )
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from None
+
+
+def place_stage(
+    module: LightningModule,
+    partition: list[range],
+    dims: PipelineDims,
+    rank: int,
+    device: torch.device,
+    backend: str | None,
+    activation_checkpointing: ActivationCheckpointing,
+    data_group: Any,
+) -> StagePlacement:
+    """Keep only this rank's stage of ``module``: drop the other layers, materialise this stage's, set up ties.
+
+    Args:
+        module: The whole model (its layers may be on the meta device).
+        partition: Every stage's layer indices.
+        dims: The job's stages and replicas.
+        rank: This process's global rank.
+        device: This stage's device.
+        backend: Backend of the tie groups.
+        activation_checkpointing: Which layers recompute their forward in backward.
+        data_group: This stage's replicas, over which the module's metrics sync.
+    """
+    stage, replica = dims.stage_of(rank), dims.replica_of(rank)
+    layers = list(module.pipeline_layers())
+    owner = [s for s, r in enumerate(partition) for _ in r]
+    own = partition[stage]
+    # Read on the whole model, before the other stages' layers are dropped (cheap on meta too).
+    model_shapes = {n: tuple(t.shape) for n, t in module.state_dict().items()}
+    aliases = parameter_aliases(module)
+    ties = find_ties(layers, partition)
+    groups, sources = new_tie_groups(ties, dims.rank_of, dims.data_parallel_size, replica, stage, backend)
+    recomputed = select_layers(layers, activation_checkpointing)
+    keep_only_layers(module, layers, own, owner)
+    shared = parameter_slots([layers[i] for i in own])
+    for index in own:
+        if is_meta(layers[index]):
+            materialize(module, index, layers[index], device)
+    retie(shared)
+    modules = [layers[i] for i in own]
+    params = dict(nn.Sequential(*modules).named_parameters())
+    broadcast_ties(ties, stage, params, groups, sources)
+    checkpoint_layers(layers, [i for i in recomputed if i in own])
+    localize_metrics(module, data_group if dims.data_parallel_size > 1 else None)
+    _log_stage(layers, own, dims, rank)
+    _refuse_meta_leftovers(module)
+    return StagePlacement(
+        module=module,
+        partition=partition,
+        stage_layers=own,
+        modules=modules,
+        params=params,
+        model_shapes=model_shapes,
+        parameter_aliases=aliases,
+        ties=ties,
+        tie_groups=groups,
+        tied_gradients=TiedGradients(ties, stage, groups) if any(t.requires_grad for t in ties) else None,
+    )
+
+
+def localize_metrics(module: nn.Module, replica_group: Any | None) -> None:
+    """Metrics are updated on the last stages only: they sync across the replicas of the last stage
+    (``replica_group``), never across all ranks (the other stages would never join)."""
+    from torchmetrics import Metric
+
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            if replica_group is not None:
+                metric.process_group = replica_group
+            else:
+                metric.distributed_available_fn = lambda: False
+
+
+def _log_stage(layers: Sequence[nn.Module], own: range, dims: PipelineDims, rank: int) -> None:
+    names = ", ".join(f"{i}:{type(layers[i]).__name__}" for i in own)
+    count = sum(count_parameters(layers[i]) for i in own)
+    replica = f", replica {dims.replica_of(rank)}/{dims.data_parallel_size}" if dims.data_parallel_size > 1 else ""
+    log.info(
+        f"[rank {rank}] pipeline stage {dims.stage_of(rank)}/{dims.num_stages}{replica}: layers {names} "
+        f"({count:,} parameters)"
+    )
+
+
+def _refuse_meta_leftovers(module: nn.Module) -> None:
+    leftover = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if leftover:
+        raise MisconfigurationException(
+            f"{type(module).__name__} has parameters or buffers outside of `pipeline_layers()` that are still on "
+            f"the meta device: {leftover[:5]}. Every parameter must belong to exactly one pipeline layer; a "
+            "buffer outside the layers must be created by the LightningModule's own code (then it is not put "
+            "on the meta device), not by a submodule."
+        )
+
+
+def layer_costs(
+    module: LightningModule,
+    layers: list[nn.Module],
+    balance: str | list[float],
+    measure_on: torch.device | None,
+    broadcast: Callable[[Any], Any],
+    rank: int,
+) -> list[float] | None:
+    """The per-layer costs ``balance`` asks to balance: ``None`` for parameter counts, the given list, or the
+    layers' times measured on rank 0 and broadcast (every rank must cut the model the same way).
+
+    Args:
+        module: The model, whose ``example_input_array`` feeds the timed layers.
+        layers: Its pipeline layers.
+        balance: ``"parameters"``, ``"time"`` or one cost per layer.
+        measure_on: Where rank 0 times the layers (needed with ``"time"``).
+        broadcast: ``broadcast(obj)`` returns rank 0's ``obj`` on every rank.
+        rank: This process's global rank.
+    """
+    if balance == "parameters":
+        return None
+    if not isinstance(balance, str):
+        return balance
+    example = getattr(module, "example_input_array", None)
+    if not isinstance(example, Tensor):
+        raise MisconfigurationException(
+            "balance='time' times every layer on `example_input_array`, which is not set. Set "
+            "`self.example_input_array` in your LightningModule to the first layer's input for one "
+            "micro-batch, or use balance='parameters' or explicit `split_points`."
+        )
+    costs = measure_layer_times(layers, example, device=measure_on) if rank == 0 else None
+    return broadcast(costs)
 
 
 META = torch.device("meta")

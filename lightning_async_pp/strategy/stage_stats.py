@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_async_pp.runtime.stage import StepStats
 from lightning_async_pp.runtime.timing import StatsRelay
+
+if TYPE_CHECKING:
+    from lightning_async_pp.strategy.topology import PipelineDims
 
 # Steps of per-stage statistics rank 0 keeps (older ones are dropped; the logger has them).
 STAGE_STATS_HISTORY = 1000
@@ -53,6 +56,13 @@ class StageStatistics:
         """Global rank 0: every stage's records of the last ``history`` steps, per stage, in step order."""
         self._pending: dict[int, dict[int, StepStats]] = {}  # step -> stage -> record, until every stage reported
         self._reported = 0
+
+    @classmethod
+    def for_pipeline(cls, dims: PipelineDims, rank: int, group: Any) -> StageStatistics:
+        """The statistics of global rank ``rank``: replica 0's stages report to rank 0 over ``group`` (gloo)."""
+        peers = [r for r in dims.pipeline(0) if r != 0]
+        relay = StatsRelay(rank, peers, group)
+        return cls(dims.num_stages, dims.stage_of(rank), rank == 0, relay, stage_of_rank=dims.stage_of)
 
     def report(self, stats: StepStats | None, trainer: Any) -> None:
         """Every rank, once per step: send this stage's record; on rank 0 also take what has arrived."""

@@ -1,4 +1,11 @@
-"""Process-group setup for the strategy: NCCL-ready initialisation and a rendezvous kept on loopback.
+"""The processes of a job: ``P`` stages times ``D`` replicas, their ranks and process groups, and how the
+default process group is initialised.
+
+:class:`PipelineDims` maps ranks to (stage, replica): the last stages, which compute the loss, take the
+lowest global ranks, replica 0's on rank 0, so Lightning logs the loss where it lives.
+:class:`ProcessGroups` creates every group a stage uses, on every rank in the same order.
+
+Initialising the default group (NCCL-ready, with a rendezvous kept on loopback):
 
 * ``device_id`` is passed to :func:`torch.distributed.init_process_group` on NCCL, which binds the
   process to its GPU and creates communicators eagerly (no lazy creation inside the first transfer,
@@ -19,12 +26,120 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-__all__ = ["barrier", "init_process_group", "is_loopback", "launcher_hosts_store"]
+from lightning_async_pp.strategy.metrics import MetricsRelay
+
+__all__ = [
+    "PipelineDims",
+    "ProcessGroups",
+    "barrier",
+    "init_process_group",
+    "is_loopback",
+    "launcher_hosts_store",
+]
+
+
+@dataclass(frozen=True)
+class PipelineDims:
+    """``num_stages`` stages times ``data_parallel_size`` replicas, and which global rank runs which.
+
+    Args:
+        num_stages: Pipeline depth ``P``.
+        data_parallel_size: Number of pipeline replicas ``D``.
+    """
+
+    num_stages: int
+    data_parallel_size: int
+
+    @classmethod
+    def for_workers(cls, num_workers: int, pipeline_parallel_size: int | None) -> PipelineDims:
+        """``pipeline_parallel_size`` stages (default: one per process) and as many replicas as fit."""
+        num_stages = pipeline_parallel_size or num_workers
+        return cls(num_stages, max(1, num_workers // num_stages))
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.data_parallel_size
+
+    def stage_of(self, rank: int) -> int:
+        """The stage global rank ``rank`` runs."""
+        return self.num_stages - 1 - rank // self.data_parallel_size
+
+    def replica_of(self, rank: int) -> int:
+        """The replica (data-parallel rank) global rank ``rank`` belongs to."""
+        return rank % self.data_parallel_size
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        """The global rank of ``stage`` in ``replica``."""
+        return (self.num_stages - 1 - stage) * self.data_parallel_size + replica
+
+    def pipeline(self, replica: int) -> list[int]:
+        """The global ranks of one replica's stages, first stage first."""
+        return [self.rank_of(stage, replica) for stage in range(self.num_stages)]
+
+    def replicas(self, stage: int) -> list[int]:
+        """The global ranks holding ``stage``, replica 0 first."""
+        return [self.rank_of(stage, replica) for replica in range(self.data_parallel_size)]
+
+
+def check_process_count(num_processes: int, num_nodes: int, num_stages: int) -> None:
+    """Refuse a process count that is not a whole number of pipelines."""
+    num_workers = max(1, num_processes * num_nodes)
+    if num_workers % num_stages != 0:
+        raise MisconfigurationException(
+            f"devices x num_nodes = {num_processes} x {num_nodes} = {num_workers} processes cannot "
+            f"hold whole pipelines of pipeline_parallel_size={num_stages}. Use a number of processes that "
+            f"is a multiple of {num_stages}, or change `pipeline_parallel_size`."
+        )
+
+
+class ProcessGroups:
+    """The process groups of one rank. Every rank creates every group, in the same order, as torch.distributed
+    requires.
+
+    Args:
+        dims: The job's stages and replicas.
+        rank: This process's global rank.
+        backend: Backend of the training groups (the others are gloo).
+        device: This stage's device (where relayed metrics are placed).
+        timeout: How long the metrics relay waits for a message.
+
+    Attributes:
+        data: This stage's replicas, which average their gradients (and sync metrics).
+        p2p: This replica's pipeline, for activations and gradients.
+        norm: The same ranks as ``p2p``, for the clipping norm: gloo numbers a group's collectives with the
+            tags point-to-point messages use.
+        stats: Replica 0's stages (gloo), whose step statistics travel to rank 0.
+        metrics: What the last stage logs, relayed to the other stages of its replica (gloo groups of their own).
+        checkpoint: Every rank (gloo), so that an asynchronous save never meets training traffic.
+    """
+
+    def __init__(self, dims: PipelineDims, rank: int, backend: str | None, device: torch.device, timeout: Any) -> None:
+        stage, replica = dims.stage_of(rank), dims.replica_of(rank)
+        data = p2p = norm = None
+        for s in range(dims.num_stages):
+            group = dist.new_group(dims.replicas(s), backend=backend)
+            if s == stage:
+                data = group
+        for d in range(dims.data_parallel_size):
+            ranks = dims.pipeline(d)
+            pair = dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend=backend)
+            if d == replica:
+                p2p, norm = pair
+        self.data: dist.ProcessGroup = data
+        self.p2p: dist.ProcessGroup = p2p
+        self.norm: dist.ProcessGroup = norm
+        self.stats: dist.ProcessGroup = dist.new_group(dims.pipeline(0), backend="gloo")
+        pipelines = [dims.pipeline(d) for d in range(dims.data_parallel_size)]
+        self.metrics: MetricsRelay = MetricsRelay.for_pipelines(pipelines, rank, device, timeout)
+        self.checkpoint: dist.ProcessGroup = dist.new_group(backend="gloo")
 
 
 def is_loopback(address: str) -> bool:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp.strategy.single_device import microbatch_losses
 from tests.fixtures.helpers import fit, flat_weights, random_batches, tiny_gpt
 
 STEPS = 6
@@ -103,7 +104,7 @@ def test_microbatch_gradient_equals_full_batch_gradient():
     model = tiny_gpt()
     batch = random_batches(1)[0]
     strategy = AsyncPipelineStrategy(num_microbatches=4)
-    for loss in strategy._microbatch_forward(model, batch):
+    for loss in microbatch_losses(model, batch, strategy.num_microbatches):
         (loss / 4).backward()
     split = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

@@ -1,0 +1,108 @@
+"""Before training: the strategy's arguments and the model checked, the processes started.
+
+Configuration errors are raised in the main process, before any other process starts, so that a job fails
+once with one message instead of once per rank. The functions take the
+:class:`~lightning_async_pp.strategy.strategy.AsyncPipelineStrategy`, as Lightning's launchers take theirs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_async_pp.runtime.contract import require_pipeline_module
+from lightning_async_pp.runtime.recompute import select_layers
+from lightning_async_pp.schedule import SCHEDULES, validate
+from lightning_async_pp.strategy.lifecycle import check_gradient_clipping_hook
+from lightning_async_pp.strategy.placement import partition_layers
+from lightning_async_pp.strategy.topology import check_process_count
+
+__all__ = ["check_arguments", "check_model", "configure_launcher"]
+
+
+def check_arguments(
+    schedule: str, num_microbatches: Any, pipeline_parallel_size: Any, balance: Any, start_method: str
+) -> None:
+    """Refuse constructor arguments the strategy cannot run with, before the Trainer is built."""
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"Unknown pipeline schedule {schedule!r}. Set `schedule` to one of {', '.join(map(repr, SCHEDULES))}."
+        )
+    if num_microbatches != "auto" and (
+        isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
+    ):
+        raise ValueError(f"`num_microbatches` must be a positive integer or 'auto', got {num_microbatches!r}.")
+    if not (balance in ("parameters", "time") or (not isinstance(balance, str) and len(balance) > 0)):
+        raise ValueError(f"`balance` must be 'parameters', 'time' or a list of per-layer costs, got {balance!r}.")
+    if start_method not in ("popen", "spawn"):
+        raise ValueError(f"`start_method` must be 'popen' or 'spawn', got {start_method!r}.")
+    if pipeline_parallel_size is not None and (
+        isinstance(pipeline_parallel_size, bool)
+        or not isinstance(pipeline_parallel_size, int)
+        or pipeline_parallel_size < 1
+    ):
+        raise ValueError(f"`pipeline_parallel_size` must be a positive integer, got {pipeline_parallel_size!r}.")
+
+
+def check_model(strategy: Any, module: LightningModule) -> None:
+    """Raise a clear error if ``module`` cannot be trained as ``strategy``'s pipeline."""
+    precision = strategy.precision_plugin.precision if strategy.precision_plugin is not None else "32-true"
+    if str(precision) in ("16-mixed", "16-true", "16"):
+        raise MisconfigurationException(
+            f"AsyncPipelineStrategy does not support precision={precision!r}: fp16 needs a loss scale shared by "
+            "all stages. Use precision='bf16-mixed' or '32-true'."
+        )
+    if strategy.activation_checkpointing is not False:
+        require_pipeline_module(module, "needed to apply `activation_checkpointing` to its layers")
+        select_layers(list(module.pipeline_layers()), strategy.activation_checkpointing)
+    if strategy.multi_process:
+        require_pipeline_module(module, f"needed to cut it into {strategy.num_stages} stages")
+        check_gradient_clipping_hook(module)
+        if strategy.balance == "time":  # measured in `setup`; here only the layer count
+            partition_layers(list(module.pipeline_layers()), strategy.num_stages, costs=None)
+        else:
+            strategy.layer_partition(module)
+
+
+def configure_launcher(strategy: Any) -> _Launcher | None:
+    """Check the process count and the schedule, and return the launcher (``None`` for one process) that checks
+    the model before it starts the other processes."""
+    check_process_count(strategy.num_processes, strategy.num_nodes, strategy.num_stages)
+    if strategy.auto_microbatches:
+        strategy.num_microbatches = strategy.num_stages
+    validate(strategy.schedule, strategy.num_stages, strategy.num_microbatches)
+    if not strategy.multi_process:
+        return None
+    if strategy.start_method == "popen":
+        assert strategy.cluster_environment is not None
+        launcher = _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    else:
+        launcher = _SpawnLauncher(strategy, start_method=strategy.start_method)
+    launcher.launch = functools.partial(_checked_launch, strategy, launcher.launch)
+    return launcher
+
+
+def _checked_launch(strategy: Any, launch: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    # `fit(model, ...)`: find configuration errors here, before any other process starts.
+    if args and isinstance(args[0], LightningModule):
+        strategy.check_model(args[0])
+    return launch(function, *args, **kwargs)
+
+
+class _SpawnLauncher(_MultiProcessingLauncher):
+    """Spawn launcher that hands the *whole* trained model back to the main process, not only rank 0's stage."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        full = self._strategy.full_state_dict()  # every rank takes part
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None:
+            self._strategy.checkpoint_io.save_checkpoint(full, output.weights_path)
+        return output

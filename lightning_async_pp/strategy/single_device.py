@@ -1,0 +1,97 @@
+"""The one-device path: the update rules of a pipeline without one, the reference a pipeline must match.
+
+A pipeline-ready module's batch is split into micro-batches, each one's loss computed on its own and
+back-propagated on its own, in order, as a pipeline stage does: the gradients then accumulate in the same
+order and the two agree to the last bit. With ``"2bw"`` the gradient is taken on the previous weights
+(:class:`~lightning_async_pp.reference.delayed.DelayedWeights`) and the optimizer steps the current ones.
+It shares no code with the multi-process runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_async_pp.reference.delayed import DelayedWeights
+from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipeline_module, run_layers
+from lightning_async_pp.runtime.microbatch import split_microbatches
+from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
+from lightning_async_pp.runtime.stage import check_finite_losses
+
+__all__ = ["SingleDevice", "microbatch_losses"]
+
+
+def microbatch_losses(module: LightningModule, batch: Any, num_microbatches: int) -> list[Tensor]:
+    """The loss of each of ``num_microbatches`` micro-batches of ``batch``, each through the whole model."""
+    layers = module.pipeline_layers()
+    microbatches = split_microbatches(batch, num_microbatches)
+    return [module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb) for mb in microbatches]
+
+
+class SingleDevice:
+    """Training state of the one-device path: the micro-batch losses awaiting their backward, and ``w[t-1]``."""
+
+    def __init__(self) -> None:
+        self.delayed: DelayedWeights | None = None
+        self.losses: list[Tensor] | None = None
+
+    def setup(self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any) -> None:
+        """Check that ``module`` can be split into ``num_microbatches``; wrap its recomputed layers."""
+        if num_microbatches > 1 and not is_pipeline_module(module):
+            require_pipeline_module(module, f"needed to split batches into num_microbatches={num_microbatches}")
+        if activation_checkpointing is not False:
+            layers = list(module.pipeline_layers())
+            checkpoint_layers(layers, select_layers(layers, activation_checkpointing))
+
+    def training_step(
+        self, module: LightningModule, batch: Any, num_microbatches: int, precision_plugin: Precision
+    ) -> Tensor:
+        """The batch's loss as the mean of its micro-batches' losses, logged as ``train/loss``; the micro-batch
+        losses are kept for :meth:`backward`."""
+        with precision_plugin.train_step_context():
+            self.losses = microbatch_losses(module, batch, num_microbatches)
+        losses = torch.stack([loss.detach() for loss in self.losses])
+        check_finite_losses(losses, module.trainer.global_step, stage=0)
+        loss = torch.stack(self.losses).mean()
+        module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def backward(
+        self, strategy: Strategy, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor | None:
+        """One backward per micro-batch, in order, as a pipeline stage does; ``None`` when
+        :meth:`training_step` left no losses (the module's own ``training_step`` ran: back-propagate as usual).
+
+        Args:
+            strategy: The strategy, whose ``pre_backward``/``post_backward`` and precision plugin run around it.
+            closure_loss: The step's loss (the micro-batches' mean).
+            optimizer: The optimizer, as Lightning passes it.
+        """
+        losses, self.losses = self.losses, None
+        if losses is None:
+            return None
+        module, precision = strategy.lightning_module, strategy.precision_plugin
+        strategy.pre_backward(closure_loss)
+        closure_loss = precision.pre_backward(closure_loss, module)
+        for loss in losses:
+            precision.backward(loss / len(losses), module, optimizer, *args, **kwargs)
+        closure_loss = precision.post_backward(closure_loss, module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
+    def delayed_weights(self, module: LightningModule) -> DelayedWeights:
+        """``w[t-1]`` of ``module``, ``w[-1] = w[0]`` until the first step."""
+        if self.delayed is None:
+            self.delayed = DelayedWeights(module)
+        return self.delayed
+
+    def delayed_closure(self, module: LightningModule, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (forward and backward) run on ``w[t-1]``, the parameters back on ``w[t]`` afterwards."""
+        return self.delayed_weights(module).wrap_closure(closure)
