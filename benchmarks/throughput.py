@@ -310,10 +310,11 @@ def _lightning_worker(args: argparse.Namespace) -> None:
         split_points=[int(x) for x in args.split_points.split(",")],
         trace_dir=str(Path(args.result_dir) / "trace") if args.trace else None,
     )
-    from lightning_async_pp.runtime.stage import StageRuntime
+    from lightning_async_pp.runtime import register_action_observer
+    from lightning_async_pp.schedule import Op
 
-    for method in ("_forward", "_backward", "_apply_update"):
-        setattr(StageRuntime, method, HEAP.wrap(getattr(StageRuntime, method)))
+    sampled = (Op.FORWARD, Op.BACKWARD, Op.UPDATE)
+    register_action_observer(lambda action, begin, end: HEAP.sample() if action.op in sampled else None)
     clock = _StepClock(args)
     trainer = _trainer(args.stages, strategy, clock, args)
     trainer.fit(model, train_dataloaders=_loader(args))
@@ -591,13 +592,16 @@ def summarize_job(name: str, records: list[dict], args: argparse.Namespace, num_
 
 def _trace_events(trace_path: str | Path) -> list[tuple[int, str, int, float, float]]:
     """``(stage, op, global micro-batch or step, start, end)`` of every action in an engine trace (seconds)."""
+    from lightning_async_pp.schedule import Action
+
     out = []
     for e in json.loads(Path(trace_path).read_text())["traceEvents"]:
         if e.get("ph") != "X":
             continue
-        body = e["name"].lstrip("0123456789")
-        op = body.rstrip("0123456789")
-        out.append((e["tid"], op, int(body[len(op) :]), e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
+        # Parsed as if M = 1, the step is the global micro-batch index (an update's, its step); the weight
+        # version, which depends on the schedule kind, is not used.
+        action = Action.from_str(e["name"], 1, kind="1f1b")
+        out.append((e["tid"], action.op.value, action.step, e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6))
     return out
 
 
@@ -1041,7 +1045,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
     header = (
         f"{'P':>2} {'M':>2} {'variant':20s} {'tokens/s':>9} {'vs 1f1b':>8} {'paired':>7} "
-        f"{'bubble/stage':>14} {'busy ms/step':>14} {'idle ms/step':>14} {'peak RSS MB/stage':>18} {'heap MB/stage':>14}"
+        f"{'bubble/stage':>14} {'busy ms/step':>14} {'idle ms/step':>14} {'peak RSS MB/stage':>18} "
+        f"{'heap MB/stage':>14}"
     )
     lines.append(header)
     lines.append("-" * len(header))

@@ -57,7 +57,7 @@ from lightning_async_pp.schedule import Action, Op, drain_actions, posting_plan,
 Key = tuple[int, int]  # (step, micro-batch)
 Observer = Callable[[Action, float, float], None]
 """``fn(action, begin, end)``: called after each action, with its start and end (``time.perf_counter``)."""
-_OBSERVERS: dict[int, Observer] = {}
+_OBSERVERS: collections.OrderedDict[int, Observer] = collections.OrderedDict()  # weak-referable, for handles
 
 
 def register_action_observer(fn: Observer) -> RemovableHandle:
@@ -161,7 +161,7 @@ class StageRuntime:
                 ties=self.ties,
             )
         self.timer = StepTimer(self.device, self.trace, self.trace_window)
-        self._observers: dict[int, Observer] = {}
+        self._observers: collections.OrderedDict[int, Observer] = collections.OrderedDict()
         for fn in self.observers:
             self.add_observer(fn)
         self.run_start: int | None = None

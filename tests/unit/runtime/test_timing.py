@@ -1,7 +1,9 @@
-"""Step timings and the trace: profiler annotations, a bounded trace window, one record per step."""
+"""Step timings and the trace: profiler annotations, a bounded trace window, one record per step; action
+observers; an evaluation-only runtime."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -59,3 +61,55 @@ def test_cpu_stage_reports_each_step_at_once():
         assert stats is not None and stats.step == step
         assert 0 < stats.forward + stats.backward + stats.wait <= stats.wall
     assert runtime.take_stats() == []
+
+
+def test_observers_see_every_action_with_its_host_times():
+    seen: list = []
+    runtime = middle_stage(observers=[lambda action, begin, end: seen.append(("init", str(action), begin, end))])
+    handle = runtime.add_observer(lambda action, begin, end: seen.append(("added", str(action), begin, end)))
+    runtime.run_step(0, torch.randn(6, 4))
+    labels = [label for who, label, _, _ in seen if who == "init"]
+    assert labels == [label for who, label, _, _ in seen if who == "added"]
+    assert labels[:3] == ["1RF0", "1F0", "1SF0"] and "1F2" in labels
+    assert all(begin <= end for _, _, begin, end in seen)
+    handle.remove()
+    seen.clear()
+    runtime.run_step(1, torch.randn(6, 4))
+    assert seen and {who for who, _, _, _ in seen} == {"init"}
+
+
+def test_observers_registered_for_the_process():
+    from lightning_async_pp.runtime import register_action_observer
+    from lightning_async_pp.schedule import Op
+
+    ops: list = []
+    handle = register_action_observer(lambda action, begin, end: ops.append(action.op))
+    try:
+        middle_stage().run_step(0, torch.randn(6, 4))
+    finally:
+        handle.remove()
+    assert {Op.RECV_F, Op.FORWARD, Op.SEND_F} <= set(ops)
+    seen = len(ops)
+    middle_stage().run_step(0, torch.randn(6, 4))
+    assert len(ops) == seen
+
+
+def test_evaluation_only_runtime_has_no_update_machinery():
+    runtime = StageRuntime(
+        kind="1f1b",
+        stage=0,
+        num_stages=1,
+        num_microbatches=1,
+        layers=[nn.Linear(4, 2)],
+        optimizer=None,
+        inputs_fn=lambda mb: mb,
+        loss_fn=lambda out, mb: out.sum(),
+        device=torch.device("cpu"),
+    )
+    assert runtime.updates is None
+    assert runtime.evaluate(torch.ones(3, 4)).shape == (3, 2)
+    with pytest.raises(RuntimeError, match="without an optimizer"):
+        runtime.run_step(0, torch.ones(3, 4))
+    runtime.drain()
+    runtime.restore_version(2)
+    assert runtime.newest_version == 2
