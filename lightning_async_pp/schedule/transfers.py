@@ -91,6 +91,10 @@ def host_program(segments: Iterable[Sequence[Action]], eager: bool = False) -> l
     ``("wait", op)`` (waiting for a receive before the compute that needs it). A wait on NCCL does not
     block the host but orders the compute stream behind the transfer, and every later send or receive
     is ordered behind that compute, so blocking the host at the wait models the same dependencies.
+
+    Args:
+        segments: the segments of one stage, in the order it executes them.
+        eager: use the eager plan (see :func:`posting_plan`).
     """
     items: list[tuple] = []
     for actions in segments:

@@ -27,6 +27,9 @@ def check(schedule: Schedule) -> None:
     micro-batches in flight and at most 2 ("2bw") / 1 ("1f1b") weight versions
     alive, read from the right buffer; flushes at run starts (every step for
     "1f1b"). Across stages: the lists run to completion against each other.
+
+    Args:
+        schedule: a schedule of one of :data:`~lightning_async_pp.schedule.SCHEDULES`.
     """
     validate(schedule.kind, schedule.num_stages, schedule.num_microbatches)
     if len(schedule.stages) != schedule.num_stages:
@@ -42,6 +45,9 @@ def liveness_trace(actions: Sequence[Action]) -> list[tuple[int, frozenset[int]]
     A micro-batch is in flight between its forward and its backward (its
     activations are stashed). Alive versions are those of the in-flight
     micro-batches plus the newest one produced (initially 0).
+
+    Args:
+        actions: the list of one stage, in order.
     """
     newest = 0
     in_flight: dict[tuple[int, int], int] = {}
@@ -67,7 +73,14 @@ def liveness_trace(actions: Sequence[Action]) -> list[tuple[int, frozenset[int]]
 
 
 def needed_event(a: Action, num_stages: int, with_comm: bool) -> tuple | None:
-    """Key of the cross-stage event ``a`` must wait for, or None."""
+    """Key of the cross-stage event ``a`` must wait for, or None.
+
+    Args:
+        a: the action.
+        num_stages: ``P``.
+        with_comm: whether the lists have explicit send/recv actions: then a receive waits, otherwise
+            the forward or backward itself.
+    """
     if with_comm:
         if a.op in (Op.RECV_F, Op.RECV_B):
             return (a.op is Op.RECV_F, a.stage, a.step, a.microbatch)
@@ -80,7 +93,14 @@ def needed_event(a: Action, num_stages: int, with_comm: bool) -> tuple | None:
 
 
 def provided_event(a: Action, num_stages: int, with_comm: bool) -> tuple | None:
-    """Key of the cross-stage event that finishing ``a`` makes available, or None."""
+    """Key of the cross-stage event that finishing ``a`` makes available, or None.
+
+    Args:
+        a: the action.
+        num_stages: ``P``.
+        with_comm: whether the lists have explicit send/recv actions: then a send provides, otherwise
+            the forward or backward itself.
+    """
     forward = a.op in (Op.FORWARD, Op.SEND_F)
     if with_comm != a.is_comm or a.op in (Op.RECV_F, Op.RECV_B, Op.UPDATE):
         return None
@@ -95,9 +115,13 @@ def run_in_order(
 ) -> list[tuple[int, Action]]:
     """Execute the per-stage lists against each other, ignoring time.
 
-    Calls ``visit(stage, action, needed_key, provided_key)`` for every action in an order that
-    respects each stage's list and the cross-stage data dependencies. Returns
-    the ``(stage, action)`` pairs left blocked (empty unless the lists deadlock).
+    Calls ``visit`` for every action in an order that respects each stage's list and the cross-stage
+    data dependencies (:func:`needed_event`, :func:`provided_event`). Returns the ``(stage, action)``
+    pairs left blocked (empty unless the lists deadlock).
+
+    Args:
+        sched: the schedule; with or without send/recv actions, as its lists have them.
+        visit: called as ``visit(stage, action, needed_key, provided_key)``.
     """
     P = sched.num_stages
     # Go by the lists rather than the flag, so hand-made lists time correctly either way.
