@@ -228,25 +228,8 @@ def run(
         f" {torch.get_num_threads()} threads"
     )
 
-    results: dict[str, dict[str, Any]] = {}
-    samples: dict[str, list[float]] = {}
-    in_step_ratios: dict[str, float] = {}
-    for family, rounds in ((ADAMW_FAMILY, adamw_rounds), (MUON_FAMILY, muon_rounds)):
-        optimizers = {name: build(name, shapes, adamw_lr, muon_lr) for name in family}
-        times, base_times, peaks = measure_interleaved(optimizers, rounds, warmup)
-        samples.update(times)
-        for name, optimizer in optimizers.items():
-            results[name] = {
-                **summarize(times[name]),
-                "state_bytes": state_bytes(optimizer),
-                "peak_temporary_bytes": peaks[name],
-            }
-            if name in base_times:
-                within = [total - base for total, base in zip(times[name], base_times[name])]
-                results[name]["base_step_median_ms"] = statistics.median(base_times[name]) * 1e3
-                results[name]["correction_median_ms"] = statistics.median(within) * 1e3
-                in_step_ratios[name] = statistics.median(t / b for t, b in zip(times[name], base_times[name]))
-
+    families = ((ADAMW_FAMILY, adamw_rounds), (MUON_FAMILY, muon_rounds))
+    results, samples, in_step_ratios = measure_families(families, shapes, warmup, adamw_lr, muon_lr)
     pairs = {
         "correction_on_adamw": ("adamw_corrected", "adamw"),
         "correction_on_muon": ("muon_corrected", "muon"),
@@ -285,9 +268,45 @@ def run(
         "targets": TARGETS,
         "targets_met": {key: paired_ratios[key] <= limit for key, limit in TARGETS.items()},
     }
+    log_report(report, log)
+    return report
 
+
+def measure_families(
+    families: Sequence[tuple[Sequence[str], int]],
+    shapes: list[tuple[str, tuple[int, ...]]],
+    warmup: int,
+    adamw_lr: float,
+    muon_lr: float,
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]], dict[str, float]]:
+    """Time each family's variants interleaved; returns their summaries, raw step times (seconds) and, for
+    corrected variants, the median ratio of the corrected step to its own base step."""
+    results: dict[str, dict[str, Any]] = {}
+    samples: dict[str, list[float]] = {}
+    in_step_ratios: dict[str, float] = {}
+    for family, rounds in families:
+        optimizers = {name: build(name, shapes, adamw_lr, muon_lr) for name in family}
+        times, base_times, peaks = measure_interleaved(optimizers, rounds, warmup)
+        samples.update(times)
+        for name, optimizer in optimizers.items():
+            results[name] = {
+                **summarize(times[name]),
+                "state_bytes": state_bytes(optimizer),
+                "peak_temporary_bytes": peaks[name],
+            }
+            if name in base_times:
+                within = [total - base for total, base in zip(times[name], base_times[name])]
+                results[name]["base_step_median_ms"] = statistics.median(base_times[name]) * 1e3
+                results[name]["correction_median_ms"] = statistics.median(within) * 1e3
+                in_step_ratios[name] = statistics.median(t / b for t, b in zip(times[name], base_times[name]))
+    return results, samples, in_step_ratios
+
+
+def log_report(report: dict[str, Any], log: Callable[[str], Any]) -> None:
+    """The variants' and the ratios' tables of a :func:`run` report, one line per call of ``log``."""
+    ratios, paired_ratios, in_step = report["ratios"], report["paired_ratios"], report["in_step_ratios"]
     log(f"{'variant':<16}{'median ms':>11}{'q25':>9}{'q75':>9}{'state MiB':>10}{'peak temp MiB':>15}")
-    for name, r in results.items():
+    for name, r in report["variants"].items():
         log(
             f"{name:<16}{r['median_ms']:>11.3f}{r['q25_ms']:>9.3f}{r['q75_ms']:>9.3f}"
             f"{r['state_bytes'] / 2**20:>10.2f}{r['peak_temporary_bytes'] / 2**20:>15.2f}"
@@ -296,7 +315,6 @@ def run(
     for key, value in ratios.items():
         within = f"{in_step[key]:>9.3f}" if key in in_step else f"{'':>9}"
         log(f"{key:<22}{value:>11.3f}{paired_ratios[key]:>9.3f}{within}  <= {TARGETS[key]}")
-    return report
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
