@@ -28,7 +28,14 @@ from lightning_async_pp.checkpoint import (
 )
 from lightning_async_pp.runtime.contract import is_pipeline_module
 
-__all__ = ["base_checkpoint_io", "load", "previous_weights", "remove_checkpoint", "save", "sharded_checkpoint_io"]
+__all__ = [
+    "base_checkpoint_io",
+    "load_sharded",
+    "previous_weights",
+    "remove_checkpoint",
+    "save_sharded",
+    "sharded_checkpoint_io",
+]
 
 
 def sharded_checkpoint_io(io: CheckpointIO | None) -> CheckpointIO:
@@ -78,7 +85,7 @@ def _aliases(strategy: Any) -> dict[str, str]:
     return strategy._placement.parameter_aliases if strategy._placement is not None else {}
 
 
-def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None) -> None:
+def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None) -> None:
     """Write a checkpoint directory: each stage its own shard (replica 0 of each stage), rank 0 the metadata
     with the pipeline's record (a collective: every rank calls it).
 
@@ -122,7 +129,7 @@ def save(strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_optio
     strategy.checkpoint_io.save_checkpoint(payload, filepath, storage_options=storage_options)
 
 
-def load(strategy: Any, path: Any) -> dict[str, Any]:
+def load_sharded(strategy: Any, path: Any) -> dict[str, Any]:
     """Read Lightning's metadata and, in place, this stage's tensors, from any stage count the checkpoint was
     saved with. Training state (optimizer, weight versions, learning-rate schedulers) is restored when fitting.
 

@@ -24,7 +24,7 @@ from lightning_async_pp.strategy.lifecycle import check_gradient_clipping_hook
 from lightning_async_pp.strategy.placement import partition_layers
 from lightning_async_pp.strategy.topology import check_process_count
 
-__all__ = ["check_arguments", "check_model", "configure_launcher"]
+__all__ = ["check_arguments", "check_pipeline_model", "configure_launcher"]
 
 
 def check_arguments(
@@ -51,7 +51,7 @@ def check_arguments(
         raise ValueError(f"`pipeline_parallel_size` must be a positive integer, got {pipeline_parallel_size!r}.")
 
 
-def check_model(strategy: Any, module: LightningModule) -> None:
+def check_pipeline_model(strategy: Any, module: LightningModule) -> None:
     """Raise a clear error if ``module`` cannot be trained as ``strategy``'s pipeline."""
     precision = strategy.precision_plugin.precision if strategy.precision_plugin is not None else "32-true"
     if str(precision) in ("16-mixed", "16-true", "16"):

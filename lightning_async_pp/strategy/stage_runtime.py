@@ -17,6 +17,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from lightning_async_pp.checkpoint import parameter_aliases
 from lightning_async_pp.module import pipeline_evaluation_step
 from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import write_chrome_trace
@@ -26,7 +27,15 @@ from lightning_async_pp.strategy.placement import place_stage
 from lightning_async_pp.strategy.stage_stats import StageStatistics
 from lightning_async_pp.strategy.topology import ProcessGroups
 
-__all__ = ["evaluation_step", "setup_stage", "start_training", "training_runtime", "training_step", "write_trace"]
+__all__ = [
+    "evaluation_runtime",
+    "setup_stage",
+    "stage_evaluation_step",
+    "stage_training_step",
+    "start_training",
+    "training_runtime",
+    "write_trace",
+]
 
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 
@@ -52,6 +61,7 @@ def setup_stage(strategy: Any, trainer: Trainer) -> None:
             strategy.process_group_backend,
             strategy.activation_checkpointing,
             groups.data,
+            parameter_aliases(module),  # read on the whole model, before the other stages' layers go
         )
     groups.metrics.attach(trainer)
 
@@ -124,15 +134,10 @@ def training_runtime(strategy: Any, trainer: Trainer) -> StageRuntime:
 
 def evaluation_runtime(strategy: Any) -> StageRuntime:
     """A runtime that only runs forwards, for validation or testing outside of ``fit`` (no optimizer)."""
-    return StageRuntime(
-        kind="1f1b",
-        num_microbatches=1,
-        optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0),
-        **_stage_arguments(strategy),
-    )
+    return StageRuntime(kind="1f1b", num_microbatches=1, optimizer=None, **_stage_arguments(strategy))
 
 
-def training_step(strategy: Any, module: LightningModule, batch: Any) -> Tensor:
+def stage_training_step(strategy: Any, module: LightningModule, batch: Any) -> Tensor:
     """Run one training step of the stage; log the loss on the last stages. Returns the loss (NaN elsewhere)."""
     loss, stats = strategy._runtime.run_step(module.trainer.global_step, batch)
     if loss is not None:
@@ -154,7 +159,7 @@ def training_step(strategy: Any, module: LightningModule, batch: Any) -> Tensor:
     return loss
 
 
-def evaluation_step(strategy: Any, kind: str, args: tuple, kwargs: dict) -> Any:
+def stage_evaluation_step(strategy: Any, kind: str, args: tuple, kwargs: dict) -> Any:
     """The batch goes through the stages; the last stage hands the output to the module's
     ``pipeline_{kind}_step`` and returns what it returns, the other stages return ``None``."""
     batch = kwargs["batch"] if "batch" in kwargs else args[0]

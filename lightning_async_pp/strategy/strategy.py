@@ -33,7 +33,15 @@ from lightning_async_pp.runtime.contract import is_pipeline_module
 from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
 from lightning_async_pp.runtime.stage import StageRuntime, StepStats
-from lightning_async_pp.strategy import checkpointing, launch, stage_runtime
+from lightning_async_pp.strategy.checkpointing import (
+    base_checkpoint_io,
+    load_sharded,
+    previous_weights,
+    remove_checkpoint,
+    save_sharded,
+    sharded_checkpoint_io,
+)
+from lightning_async_pp.strategy.launch import check_arguments, check_pipeline_model, configure_launcher
 from lightning_async_pp.strategy.lifecycle import (
     ResumableLoader,
     local_seed,
@@ -44,6 +52,13 @@ from lightning_async_pp.strategy.placement import MetaLayers, StagePlacement, la
 from lightning_async_pp.strategy.processes import PipelineProcesses
 from lightning_async_pp.strategy.routing import report_routing
 from lightning_async_pp.strategy.single_device import SingleDevice
+from lightning_async_pp.strategy.stage_runtime import (
+    setup_stage,
+    stage_evaluation_step,
+    stage_training_step,
+    start_training,
+    write_trace,
+)
 from lightning_async_pp.strategy.stage_stats import StageStatistics
 
 # A child of Lightning's logger, so rank 0's messages are shown with Lightning's own.
@@ -130,7 +145,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=5),
     ) -> None:
-        launch.check_arguments(schedule, num_microbatches, pipeline_parallel_size, balance, start_method)
+        check_arguments(schedule, num_microbatches, pipeline_parallel_size, balance, start_method)
         check_option(activation_checkpointing)
         super().__init__(
             accelerator,
@@ -177,11 +192,11 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = launch.configure_launcher(self)
+        self._launcher = configure_launcher(self)
 
     def check_model(self, module: LightningModule) -> None:
         """Raise a clear error if ``module`` cannot be trained as this pipeline (called before launching)."""
-        launch.check_model(self, module)
+        check_pipeline_model(self, module)
 
     def layer_partition(self, module: LightningModule) -> list[range]:
         """The layers of each stage, from ``split_points`` or balanced by ``balance``."""
@@ -231,7 +246,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         module = self.lightning_module
         self.check_model(module)
         if self.multi_process:
-            stage_runtime.setup_stage(self, trainer)
+            setup_stage(self, trainer)
         else:
             # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
             self._data_seed = local_seed()
@@ -240,7 +255,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if trainer.state.fn == TrainerFn.FITTING:
             report_routing(self, self.optimizers)
             if self.multi_process:
-                stage_runtime.start_training(self, trainer)
+                start_training(self, trainer)
         if self.multi_process:
             self._sharded_io().process_group = self._groups.checkpoint
 
@@ -253,7 +268,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if self.auto_microbatches:
             self._choose_num_microbatches(batch)
         if self._runtime is not None:
-            return stage_runtime.training_step(self, module, batch)
+            return stage_training_step(self, module, batch)
         if not is_pipeline_module(module):
             return super().training_step(*args, **kwargs)
         return self._single_device.training_step(module, batch, self.num_microbatches, self.precision_plugin)
@@ -322,26 +337,26 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if self._stage_stats is not None:
             remaining = self._runtime.take_stats() if self._runtime is not None else []
             self._stage_stats.finish(remaining, self.lightning_module.trainer)
-        stage_runtime.write_trace(self)
+        write_trace(self)
         super().on_train_end()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.multi_process:
             return super().validation_step(*args, **kwargs)
-        return stage_runtime.evaluation_step(self, "validation", args, kwargs)
+        return stage_evaluation_step(self, "validation", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.multi_process:
             return super().test_step(*args, **kwargs)
-        return stage_runtime.evaluation_step(self, "test", args, kwargs)
+        return stage_evaluation_step(self, "test", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.multi_process:
             return super().predict_step(*args, **kwargs)
-        return stage_runtime.evaluation_step(self, "predict", args, kwargs)
+        return stage_evaluation_step(self, "predict", args, kwargs)
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
@@ -361,7 +376,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        self._checkpoint_io = checkpointing.sharded_checkpoint_io(self._checkpoint_io)
+        self._checkpoint_io = sharded_checkpoint_io(self._checkpoint_io)
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -369,11 +384,11 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self._checkpoint_io = io
 
     def _sharded_io(self) -> ShardedCheckpointIO:
-        return checkpointing.base_checkpoint_io(self.checkpoint_io)
+        return base_checkpoint_io(self.checkpoint_io)
 
     def _previous_weights(self) -> dict[str, Tensor] | None:
         """``w[t-1]`` of this stage's trainable parameters, keyed like the module's parameters (2BW only)."""
-        return checkpointing.previous_weights(self)
+        return previous_weights(self)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -381,12 +396,12 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
         Every rank calls this (Lightning's ``trainer.save_checkpoint`` and ``ModelCheckpoint`` do).
         """
-        checkpointing.save(self, checkpoint, filepath, storage_options)
+        save_sharded(self, checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            checkpointing.remove_checkpoint(self.checkpoint_io, filepath)
+            remove_checkpoint(self.checkpoint_io, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -394,7 +409,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self._restored_sharded = False
         if not is_sharded_checkpoint(checkpoint_path):
             return self.checkpoint_io.load_checkpoint(checkpoint_path)  # a single-file (consolidated) checkpoint
-        meta = checkpointing.load(self, checkpoint_path)
+        meta = load_sharded(self, checkpoint_path)
         self._restored_sharded = True
         return meta
 
