@@ -1,7 +1,8 @@
 # Two commands on a fresh machine:
 #   make train   set up .venv, train the quickstart GPT, print where the TensorBoard logs are
 #   make train-llama   the same for a tiny Hugging Face Llama (examples/configs/llama_tiny.yaml)
-#   make test    set up .venv if needed, run the test suite
+#   make test    set up .venv if needed, run the test suite (the default tier)
+# More tiers: make test-mp (multi-process pipelines, CLI and docs runs), make test-slow; make lint.
 VENV ?= .venv
 PYTHON ?= python3
 # Pinned in the same pip call as the package so that pip never picks another (e.g. a CUDA) build.
@@ -9,7 +10,10 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train train-llama test test-slow bench clean
+# Each tier prints its 15 slowest tests.
+PYTEST := $(PY) -m pytest -q --durations=15
+
+.PHONY: train train-llama lint test test-mp test-slow bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +26,18 @@ train: $(STAMP)
 train-llama: $(STAMP)
 	$(PY) -m lightning_async_pp fit --config examples/configs/llama_tiny.yaml
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+test-mp: $(STAMP)
+	$(PYTEST) -m "multiprocess and not slow"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 clean:
 	rm -rf $(VENV) runs lightning_logs

@@ -48,6 +48,7 @@ def scalars(log_dir):
     return {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.multiprocess
 def test_quickstart_logs_every_step(tmp_path):
     result = run_cli(tmp_path)
     log_dir = tmp_path / "quickstart" / "version_0"
@@ -65,6 +66,7 @@ def test_quickstart_logs_every_step(tmp_path):
         assert abs(ppl.value - 2.718281828**loss.value) / ppl.value < 1e-3
 
 
+@pytest.mark.multiprocess
 def test_two_stages_log_the_same_loss_curve_as_one_device(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
@@ -115,6 +117,7 @@ def test_optimizer_overlays_build_the_named_optimizers():
             assert isinstance(muon, Muon)
 
 
+@pytest.mark.multiprocess
 def test_corrected_muon_config_trains(tmp_path):
     overlay = QUICKSTART.parent / "muon_corrected.yaml"
     run_cli(tmp_path, "--config", str(overlay), "--trainer.devices", "1")
@@ -123,6 +126,7 @@ def test_corrected_muon_config_trains(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_torchrun_drives_the_cli(tmp_path):
     """torchrun starts the processes itself (Lightning's TorchElasticEnvironment); same loss curve as one device."""
     one, two = tmp_path / "one", tmp_path / "torchrun"
@@ -196,6 +200,7 @@ def console_script() -> Path:
     return CONSOLE_SCRIPT
 
 
+@pytest.mark.multiprocess
 def test_console_script_exits_zero_after_success_and_prints_the_logs_once(tmp_path):
     result = run_command([console_script(), "fit", "--config", "config.yaml"], tiny_project(tmp_path))
     output = result.stdout + result.stderr
@@ -205,6 +210,7 @@ def test_console_script_exits_zero_after_success_and_prints_the_logs_once(tmp_pa
     assert output.count("tensorboard --logdir") == 1
 
 
+@pytest.mark.multiprocess
 def test_console_script_exits_non_zero_when_the_run_fails(tmp_path):
     # A batch of 8 does not split into 3 micro-batches: the run raises inside `fit`.
     result = run_command(
@@ -216,6 +222,7 @@ def test_console_script_exits_non_zero_when_the_run_fails(tmp_path):
 
 
 @pytest.mark.parametrize("entry", ["console script", "module"])
+@pytest.mark.multiprocess
 def test_both_entry_points_import_a_model_from_the_current_folder(tmp_path, entry):
     launcher = [console_script()] if entry == "console script" else [sys.executable, "-m", "lightning_async_pp"]
     # Two stages: the second process, started by Lightning's launcher, must find the model file too.
@@ -232,6 +239,7 @@ def test_both_entry_points_import_a_model_from_the_current_folder(tmp_path, entr
     "class_path, expected",
     [("nosuchfile.Tiny", "the folder that holds nosuchfile.py"), ("tinymodel.Tinyy", "does not define it")],
 )
+@pytest.mark.multiprocess
 def test_an_unimportable_class_path_is_one_line_that_says_what_to_do(tmp_path, class_path, expected):
     tiny_project(tmp_path)
     config = tmp_path / "config.yaml"

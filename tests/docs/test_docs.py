@@ -114,6 +114,7 @@ def _workdir(tmp_path: Path, page: Path | None = None) -> Path:
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: p.name)
+@pytest.mark.multiprocess
 def test_python_snippets_run(page, tmp_path, monkeypatch):
     code_blocks = [b for b in blocks(page) if b.lang == "python" and not b.skipped]
     if not code_blocks:
@@ -134,6 +135,7 @@ def test_python_snippets_run(page, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: p.name)
+@pytest.mark.multiprocess
 def test_bash_snippets_run(page, tmp_path):
     code_blocks = [b for b in blocks(page) if b.lang in ("bash", "sh", "shell") and not b.skipped]
     if not code_blocks:

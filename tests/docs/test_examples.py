@@ -4,7 +4,11 @@ import os
 import re
 import sys
 
+import pytest
+
 from tests.fixtures.helpers import ROOT, run_group
+
+pytestmark = pytest.mark.multiprocess
 
 EXAMPLE = ROOT / "examples" / "custom_model.py"
 

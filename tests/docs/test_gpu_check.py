@@ -10,6 +10,8 @@ import pytest
 
 from tests.fixtures.helpers import ROOT, run_group
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.slow
 def test_gpu_check_cpu_mode_passes_and_reports_every_check(tmp_path):

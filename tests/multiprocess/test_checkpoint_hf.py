@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from tests.fixtures.helpers import run_group, run_script  # noqa: E402
 from tests.fixtures.hf_models import tiny_causal_lm, token_batches  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 RUNNER = "tests.multiprocess.scripts.hf_run"
 TIMEOUT = 420
 

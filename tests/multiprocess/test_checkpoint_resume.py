@@ -16,6 +16,8 @@ import torch
 
 from tests.multiprocess.test_pipeline_exactness import run_pipeline
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS, STOP, M = 24, 12, 4
 # Muon orthogonalizes in float32 here: in bfloat16 (torch's default) a rounding difference of another pipeline shape
 # can flip a bfloat16 rounding, and how often depends on the CPU's bfloat16 arithmetic (measured P2 -> P3: losses

@@ -19,6 +19,8 @@ import torch
 
 from tests.multiprocess.scripts.toy_run import run_toy
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS, STOP = 10, 5
 COMMON = (
     "--tie-embedding",

@@ -10,6 +10,8 @@ import pytest
 
 from tests.fixtures.helpers import run_script
 
+pytestmark = pytest.mark.multiprocess
+
 RUN = "tests.multiprocess.scripts.control_run"
 
 

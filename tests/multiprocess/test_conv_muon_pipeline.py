@@ -11,6 +11,8 @@ import torch
 from tests.fixtures.helpers import run_script
 from tests.multiprocess.scripts.conv_run import train  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 RUNNER = "tests.multiprocess.scripts.conv_run"
 
 

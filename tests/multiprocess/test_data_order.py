@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -22,6 +23,7 @@ def expected_order(size: int, epoch: int, seed: int = 0) -> list[int]:
     return list(sampler)
 
 
+@pytest.mark.multiprocess
 def test_shuffled_loader_without_seeding_gives_every_stage_the_same_samples(tmp_path):
     """`DataLoader(shuffle=True)`, no seed_everything, 2 stages, 2 epochs: the first stage (inputs) and the last
     stage (targets) see the same samples in every micro-batch, in the order seeded by 0 and the epoch."""

@@ -8,6 +8,8 @@ from tests.fixtures.helpers import fit, global_batches, tiny_gpt
 from tests.multiprocess.scripts.pipeline_run import make_optimizer
 from tests.multiprocess.test_pipeline_exactness import run_pipeline
 
+pytestmark = pytest.mark.multiprocess
+
 
 # Not Muon: torch's Newton-Schulz iteration runs in bfloat16, which turns the replicas' different summation
 # order (~1e-7) into ~1e-3 differences. (Without replicas the order is the same and Muon matches exactly.)

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 RUNNER = "tests.multiprocess.scripts.pipeline_run"
 LIMIT = 120  # seconds: the strategy's timeout in pipeline_run.py is 60 s
 

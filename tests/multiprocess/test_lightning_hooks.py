@@ -16,6 +16,8 @@ from lightning_async_pp.runtime.stage import StageRuntime
 from tests.fixtures.helpers import fit, loader, random_batches, run_script, tiny_gpt
 from tests.multiprocess.scripts.stage_run import CallbackCounter, hooked_gpt
 
+pytestmark = pytest.mark.multiprocess
+
 RUNNER = "tests.multiprocess.scripts.stage_run"
 TIMEOUT = 420
 

@@ -13,6 +13,8 @@ from lightning.pytorch import Trainer
 from lightning_async_pp import AsyncPipelineStrategy
 from tests.fixtures.helpers import LossRecorder, loader, random_batches, run_script, tiny_gpt
 
+pytestmark = pytest.mark.multiprocess
+
 RUNNER = "tests.multiprocess.scripts.stage_run"
 TIMEOUT = 420
 

@@ -18,6 +18,8 @@ from tests.fixtures.helpers import run_script
 from tests.multiprocess.scripts import callbacks_run
 from tests.multiprocess.test_data_parallel import global_batches
 
+pytestmark = pytest.mark.multiprocess
+
 RUNNER = "tests.multiprocess.scripts.callbacks_run"
 TIMEOUT = 600
 

@@ -17,6 +17,8 @@ from torch import nn
 
 from lightning_async_pp.runtime.stage import StageRuntime
 
+pytestmark = pytest.mark.multiprocess
+
 # On a CUDA tensor each of these copies to the host and waits for the device. (`Tensor.numpy` is refused
 # for device tensors, so the runtime may read host memory with it.)
 SYNCING = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__", "__index__")

@@ -96,6 +96,7 @@ def test_pipeline_matches_single_device(tmp_path, devices, schedule, microbatche
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("devices", "schedule", "microbatches", "optimizer"), SLOW_CASES)
+@pytest.mark.multiprocess
 def test_pipeline_matches_single_device_slow(tmp_path, devices, schedule, microbatches, optimizer):
     steps = 20
     result, weights = run_pipeline(tmp_path, devices, schedule, microbatches, steps, optimizer)
@@ -103,6 +104,7 @@ def test_pipeline_matches_single_device_slow(tmp_path, devices, schedule, microb
     assert_same_run(result, weights, ref_losses, ref_weights)
 
 
+@pytest.mark.multiprocess
 def test_pipeline_2bw_is_not_synchronous(tmp_path):
     """Guards the exactness tests: the 2BW pipeline must differ from the synchronous reference."""
     result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 6, "sgd")
@@ -124,6 +126,7 @@ def _steady_bubbles(result) -> dict[str, float]:
     return quartiles
 
 
+@pytest.mark.multiprocess
 def test_2bw_has_no_flush_bubble(tmp_path):
     """P=2, M=4: the ideal 1F1B bubble is (P-1)/(M+P-1) = 20%; 2BW's steady state has none."""
     size = ("--width", "128", "--seq", "64", "--batch-size", "32")
@@ -139,6 +142,7 @@ def test_2bw_has_no_flush_bubble(tmp_path):
     assert set(sync_run["version_lag"]["0"]) == {0}
 
 
+@pytest.mark.multiprocess
 def test_gradient_clipping_uses_the_global_norm_across_stages(tmp_path):
     """Each stage holds part of the gradient; clipping must use the norm over all of them."""
     result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 10, "sgd", "--clip", "0.05")
@@ -149,12 +153,14 @@ def test_gradient_clipping_uses_the_global_norm_across_stages(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_bf16_mixed_pipeline_tracks_single_device(tmp_path):
     result, weights = run_pipeline(tmp_path, 2, "2bw", 2, 8, "adamw", "--precision", "bf16-mixed")
     ref_losses, ref_weights = reference("2bw", 2, 8, "adamw", precision="bf16-mixed")
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_holds_every_stage_and_both_versions(tmp_path):
     from lightning_async_pp.checkpoint import read_tensors
 
@@ -175,6 +181,7 @@ def test_checkpoint_holds_every_stage_and_both_versions(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_spawn_start_method_returns_the_whole_trained_model():
     """With start_method="spawn" the main process gets every stage's trained weights back."""
     import re

@@ -5,6 +5,8 @@ import torch
 
 from tests.multiprocess.test_pipeline_exactness import run_pipeline
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.slow

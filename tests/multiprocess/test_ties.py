@@ -9,6 +9,8 @@ import torch
 
 from tests.multiprocess.scripts.toy_run import ToyLM, reference_toy, run_toy
 
+pytestmark = pytest.mark.multiprocess
+
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 

@@ -229,6 +229,7 @@ def test_save_killed_midway_is_never_last(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_consolidated_checkpoint_gives_the_same_validation_loss(tmp_path):
     """2 stages save; `python -m lightning_async_pp consolidate` writes one file; one device validates it."""
     result, weights = run_pipeline(tmp_path / "run", 2, "2bw", 2, 4, "corrected_muon", "--save-checkpoint")
@@ -294,6 +295,7 @@ def _checkpoint_run(out, *extra, devices=2):
         pytest.param(("--dcp-async",), id="dcp-async_save", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.multiprocess
 def test_model_checkpoint_keeps_the_top_two_on_two_stages(tmp_path, io):
     """monitor + save_top_k=2 + save_last on 2 stages: the two best remain, complete; `last` is the final state."""
     from lightning_async_pp.checkpoint import read_tensors

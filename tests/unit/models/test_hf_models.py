@@ -166,11 +166,13 @@ def _assert_1f1b_matches_plain_training(tmp_path, devices: int) -> None:
     assert_same_weights(weights, final)
 
 
+@pytest.mark.multiprocess
 def test_1f1b_two_stages_equals_plain_hf_training(tmp_path):
     _assert_1f1b_matches_plain_training(tmp_path, 2)
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_1f1b_three_stages_equals_plain_hf_training(tmp_path):
     _assert_1f1b_matches_plain_training(tmp_path, 3)
 
@@ -189,6 +191,7 @@ def single_device(family: str, schedule: str, microbatches: int, batches, optimi
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_2bw_two_stages_equals_the_single_device_delayed_path(tmp_path):
     steps, microbatches = 10, 4
     result, weights, _ = run_pipeline(
@@ -211,6 +214,7 @@ def test_2bw_two_stages_equals_the_single_device_delayed_path(tmp_path):
     assert_same_weights(weights, model.hf_state_dict())
 
 
+@pytest.mark.multiprocess
 def test_pretrained_folder_each_stage_reads_only_its_own_tensors(tmp_path):
     source = materialized("llama")
     twin = hf_twin(source)
@@ -240,6 +244,7 @@ def test_pretrained_folder_each_stage_reads_only_its_own_tensors(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_padding_and_a_new_sequence_length_after_a_validation_flush(tmp_path):
     """Padded batches; validation after 4 steps flushes the pipeline, then the batches get 8 tokens longer."""
     steps, microbatches = 8, 2
@@ -298,6 +303,7 @@ def test_padding_and_a_new_sequence_length_after_a_validation_flush(tmp_path):
     assert_same_weights(weights, model.hf_state_dict())
 
 
+@pytest.mark.multiprocess
 def test_tied_gpt2_on_two_stages_equals_plain_hf_training(tmp_path):
     """GPT-2 ties its head to the token embedding; the two sit on different stages.
 
@@ -350,6 +356,7 @@ def test_example_configs_pass_the_cli_validation(name):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_llama_tiny_config_trains_on_two_stages(tmp_path):
     command = [
         sys.executable,

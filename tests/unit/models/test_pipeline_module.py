@@ -45,6 +45,7 @@ def ddp_global_batches(replicas: int = 2, per_replica: int = 16, epochs: int = 2
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_module_trains_with_ddp_as_on_one_device(tmp_path):
     ranks = run(tmp_path, "ddp", "--devices", "2")
     reference = callbacks_run.train_classifier(1, None, data=DataLoader(ddp_global_batches(), batch_size=None))

@@ -94,6 +94,7 @@ def _run(tmp_path, devices, schedule, split):
     [(2, "1f1b", "3"), pytest.param(3, "2bw", "2,4", marks=pytest.mark.slow)],
     ids=["P2-1f1b-tuple", "P3-2bw-dict-and-tuple"],
 )
+@pytest.mark.multiprocess
 def test_layers_passing_dicts_and_tuples_train_exactly_as_on_one_device(tmp_path, devices, schedule, split):
     from tests.fixtures.tuple_model import train
 

@@ -56,6 +56,7 @@ def _worker(rank: int, port: int, seen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_relay_delivers_each_step_one_step_late():
     assert len(encoded(STEPS[1])) > INITIAL_CAPACITY
     with socket.socket() as s:

@@ -31,6 +31,7 @@ def assert_same_run(losses, weights, ref_losses, ref_weights):
         pytest.param(("--activation-checkpointing", '["Block"]'), id="option-by-type"),
     ],
 )
+@pytest.mark.multiprocess
 def test_recomputed_blocks_on_two_stages_follow_the_delayed_trajectory(tmp_path, recompute):
     """2BW with recomputation on 2 stages == one device without recomputation (the delayed trajectory)."""
     ref_losses, ref_weights, _ = reference_toy(*BASE)

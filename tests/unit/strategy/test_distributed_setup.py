@@ -83,6 +83,7 @@ TORCHRUN_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_torchrun_workers_join_the_agents_store(tmp_path):
     """torchrun's agent already serves MASTER_PORT: the workers must join its store, not bind their own."""
     script = tmp_path / "probe.py"

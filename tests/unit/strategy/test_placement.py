@@ -146,6 +146,7 @@ def test_a_direct_reference_to_another_stages_tensor_is_refused():
         keep_only_layers(model, list(model.pipeline_layers()), range(0, 2), owner_of=[0, 0, 1, 1, 1])
 
 
+@pytest.mark.multiprocess
 def test_module_with_a_second_reference_to_its_layers_on_two_stages(tmp_path):
     """Each stage keeps only its own parameters, and the trained model equals the one-device run."""
     from tests.multiprocess.scripts.toy_run import reference_toy, run_toy
