@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.fixtures.helpers import ROOT
+
 pytestmark = pytest.mark.multiprocess
 
 RUNNER = "tests.multiprocess.scripts.pipeline_run"
@@ -29,7 +31,7 @@ def run_failing(tmp_path, devices, *extra):
         str(tmp_path),
         *extra,
     ]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # for python -m tests...
     start = time.monotonic()
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
