@@ -1,10 +1,10 @@
 """A checkpoint saved at one pipeline shape resumes the same 2BW trajectory at another (P=2->2, 2->3, 3->1, 2->2xD=2).
 
 Each case trains 24 steps straight, and 12 steps with a ``ModelCheckpoint`` save at step 12 (mid-epoch: the data
-has 24 batches), and resumes in a new job of another shape for the other 12; the resumed steps must reproduce the straight run's ``train/loss`` and
-final weights. ``DelayCorrected(Muon)``, gradient clipping and a cosine learning-rate schedule are on, so the
-optimizer state, the correction's previous update, both weight versions, the clipping and the schedule's
-position all have to come back, on whichever stage now owns each parameter.
+has 24 batches), and resumes in a new job of another shape for the other 12; the resumed steps must reproduce the
+straight run's ``train/loss`` and final weights. ``DelayCorrected(Muon)``, gradient clipping and a cosine
+learning-rate schedule are on, so the optimizer state, the correction's previous update, both weight versions, the
+clipping and the schedule's position all have to come back, on whichever stage now owns each parameter.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ class ToyLM(LightningModule):
         recompute: Blocks recompute their forward in backward with ``torch.utils.checkpoint``.
         alias: Keep a second reference to the layers (``self.alias``, an ``nn.Sequential`` of the same modules).
         lr: AdamW learning rate.
-        optimizer: ``"adamw"``, ``"adamw_by_name"`` (no weight decay for parameters named ``*table*``), or a name ``pipeline_run.make_optimizer`` knows (``"corrected_muon"``, ...).
+        optimizer: ``"adamw"``, ``"adamw_by_name"`` (no weight decay for parameters named ``*table*``), or a name
+            ``pipeline_run.make_optimizer`` knows (``"corrected_muon"``, ...).
     """
 
     def __init__(

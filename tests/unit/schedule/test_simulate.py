@@ -66,7 +66,10 @@ def test_comm_does_not_change_compute_times():
     costs = [StageCosts(1.0, 2.0, 0.3), StageCosts(1.5, 2.5, 0.1), StageCosts(0.5, 1.0, 0.2)]
     a = simulate(build_schedule("2bw", 3, 4, 5, run_starts=(0, 3)), costs, transfer=0.2)
     b = simulate(build_schedule("2bw", 3, 4, 5, with_comm=False, run_starts=(0, 3)), costs, transfer=0.2)
-    times = lambda r: [[(str(e.action), e.start, e.end) for e in tl if e.action.is_compute] for tl in r.timelines]
+
+    def times(r):
+        return [[(str(e.action), e.start, e.end) for e in tl if e.action.is_compute] for tl in r.timelines]
+
     assert times(a) == times(b)
     assert a.busy == pytest.approx(b.busy)
     # A receive occupies its stage while it waits: busy excludes it.
