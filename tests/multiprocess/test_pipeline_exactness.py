@@ -67,14 +67,16 @@ NEEDS_RESEARCH = pytest.mark.skipif(
     reason='SOAP and Adan come from the `research` extra: pip install -e ".[research]"',
 )
 
+MP = pytest.mark.multiprocess
+# The first case runs in the default tier (make test): one real 2-stage pipeline against the reference.
 CASES = [
     pytest.param(2, "2bw", 2, "adamw", id="P2-M2-2bw-adamw"),
-    pytest.param(2, "2bw", 4, "adamw", id="P2-M4-2bw-adamw"),
-    pytest.param(2, "1f1b", 4, "adamw", id="P2-M4-1f1b-adamw"),
-    pytest.param(2, "2bw", 4, "corrected_muon", id="P2-M4-2bw-corrected_muon"),
-    pytest.param(2, "2bw", 2, "auto_adamw", id="P2-M2-2bw-auto_adamw"),
-    pytest.param(2, "2bw", 2, "corrected_soap", id="P2-M2-2bw-corrected_soap", marks=NEEDS_RESEARCH),
-    pytest.param(2, "2bw", 2, "corrected_adan", id="P2-M2-2bw-corrected_adan", marks=NEEDS_RESEARCH),
+    pytest.param(2, "2bw", 4, "adamw", id="P2-M4-2bw-adamw", marks=MP),
+    pytest.param(2, "1f1b", 4, "adamw", id="P2-M4-1f1b-adamw", marks=MP),
+    pytest.param(2, "2bw", 4, "corrected_muon", id="P2-M4-2bw-corrected_muon", marks=MP),
+    pytest.param(2, "2bw", 2, "auto_adamw", id="P2-M2-2bw-auto_adamw", marks=MP),
+    pytest.param(2, "2bw", 2, "corrected_soap", id="P2-M2-2bw-corrected_soap", marks=[MP, NEEDS_RESEARCH]),
+    pytest.param(2, "2bw", 2, "corrected_adan", id="P2-M2-2bw-corrected_adan", marks=[MP, NEEDS_RESEARCH]),
 ]
 SLOW_CASES = [
     pytest.param(2, "1f1b", 2, "corrected_muon", id="P2-M2-1f1b-corrected_muon"),
