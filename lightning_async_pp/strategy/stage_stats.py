@@ -11,8 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning_async_pp.runtime.stage import StepStats
-from lightning_async_pp.runtime.timing import StatsRelay
+from lightning_async_pp.runtime.timing import StatsRelay, StepStats
 
 if TYPE_CHECKING:
     from lightning_async_pp.strategy.topology import PipelineDims

@@ -32,7 +32,8 @@ from lightning_async_pp.checkpoint import ShardedCheckpointIO, is_sharded_checkp
 from lightning_async_pp.runtime.contract import is_pipeline_module
 from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
-from lightning_async_pp.runtime.stage import StageRuntime, StepStats
+from lightning_async_pp.runtime.stage import StageRuntime
+from lightning_async_pp.runtime.timing import StepStats
 from lightning_async_pp.strategy.checkpointing import (
     base_checkpoint_io,
     load_sharded,

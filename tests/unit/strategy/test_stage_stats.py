@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.runtime.stage import StepStats
+from lightning_async_pp.runtime.timing import StepStats
 from lightning_async_pp.strategy.stage_stats import STAGE_STATS_HISTORY, StageStatistics
 
 
