@@ -8,7 +8,7 @@ its layers, on the same micro-batches), and reports the medians and their ratio.
 fingerprint of an image micro-batch (``--image-batch`` images of 3 x 224 x 224), whose cost depends on the
 input size, not on the model.
 
-    python benchmarks/fingerprint_cost.py --out benchmarks/results/fingerprint_cost.json
+    python benchmarks/fingerprint_cost.py --out benchmarks/results/fingerprint_cost/fingerprint_cost.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the rotary (cos, sin) tables. This script prints, for a few sequence lengths, th
 message and the time a layer takes to rebuild the mask and the tables from the micro-batch (what
 ``lightning_async_pp.models.CausalLM``'s stages do once per micro-batch), and saves the table as JSON.
 
-    python benchmarks/hf_boundary.py [--out benchmarks/results/hf_boundary.json]
+    python benchmarks/hf_boundary.py [--out benchmarks/results/hf_boundary/hf_boundary.json]
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ extra); :func:`timeline_figure` returns the figure, so it can be logged with
 
 Usage::
 
-    python benchmarks/scaling.py --out benchmarks/results/scaling.json --png benchmarks/results/timeline_p4.png
+    python benchmarks/scaling.py --out benchmarks/results/scaling/scaling.json \
+        --png benchmarks/results/scaling/timeline_p4.png
 """
 
 from __future__ import annotations
