@@ -40,8 +40,8 @@ predicted tokens/s is reported next to the measured one.
 
 Usage::
 
-    python benchmarks/throughput.py --quick --out benchmarks/results/throughput_quick.json
-    python benchmarks/throughput.py --out benchmarks/results/throughput_full.json     # M in {2,4,8} x P in {2,4}
+    python benchmarks/throughput.py --quick --out benchmarks/results/throughput/throughput_quick.json
+    python benchmarks/throughput.py --out benchmarks/results/throughput/throughput_full.json  # M 2, 4, 8 x P 2, 4
 
 P=4 on a 2-core machine runs 4 processes on 2 cores: its numbers measure oversubscription as much as the
 schedules, and the output says so.
@@ -209,10 +209,9 @@ HEAP_SLACK_MB = 0.1
 
 
 def _write(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    from lightning_async_pp.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps(record))
 
 
 # ------------------------------------------------------------------------------------------ workers

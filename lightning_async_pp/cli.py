@@ -11,10 +11,12 @@ Hugging Face model, trained through ``lightning_async_pp.models.CausalLM``, also
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -22,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_async_pp  # noqa: F401  (registers strategy="async_pp")
+from lightning_async_pp.checkpoint import TRANSFORMERS_KEY, ShardedCheckpointIO, consolidate
 
 _CLASS_PATH_NOT_IMPORTABLE = re.compile(
     r'Parser key "(?P<key>[^"]+)".*?Problem with given class_path \'(?P<path>[^\']+)\':\s*'
@@ -87,12 +90,61 @@ def _current_folder_importable() -> None:
         sys.path.insert(0, cwd)
 
 
+def default_pretrained_dir(out: str | os.PathLike) -> Path:
+    """Where ``consolidate`` writes a ``save_pretrained`` folder by default: ``model.ckpt`` -> ``model-hf``."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}-hf")
+
+
+def consolidate_main(argv: list[str]) -> None:
+    """``python -m lightning_async_pp consolidate CHECKPOINT_DIR OUT [--pretrained-dir DIR]``.
+
+    Args:
+        argv: The arguments after ``consolidate``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_async_pp consolidate",
+        description="Write a sharded async_pp checkpoint directory as one Lightning checkpoint file (weights and "
+        "metadata, no optimizer state), loadable with torch.load(weights_only=True) on one device. A checkpoint of "
+        "lightning_async_pp.models.CausalLM is also written as a transformers save_pretrained folder.",
+    )
+    parser.add_argument("checkpoint_dir", help="checkpoint directory written by AsyncPipelineStrategy")
+    parser.add_argument("out", help="the single-file checkpoint to write")
+    parser.add_argument(
+        "--pretrained-dir",
+        default=None,
+        help="for a CausalLM checkpoint: the save_pretrained folder to write (default: OUT without its suffix, "
+        "plus '-hf': model.ckpt -> model-hf)",
+    )
+    args = parser.parse_args(argv)
+    meta = ShardedCheckpointIO().load_checkpoint(args.checkpoint_dir)
+    pretrained_dir = None
+    if TRANSFORMERS_KEY in meta:
+        pretrained_dir = args.pretrained_dir or default_pretrained_dir(args.out)
+    elif args.pretrained_dir is not None:
+        parser.error(
+            f"{args.checkpoint_dir} was not saved by lightning_async_pp.models.CausalLM: --pretrained-dir "
+            "only applies to Hugging Face models."
+        )
+    meta = consolidate(args.checkpoint_dir, args.out)
+    if pretrained_dir is not None:
+        from lightning_async_pp.models.hf import save_pretrained  # needs the optional transformers
+
+        save_pretrained(meta, pretrained_dir)
+    count = sum(t.numel() for t in meta["state_dict"].values())
+    print(
+        f"Wrote {args.out}: {len(meta['state_dict'])} tensors, {count:,} values, global step {meta.get('global_step')}"
+    )
+    if pretrained_dir is not None:
+        print(f"Wrote {pretrained_dir}: transformers save_pretrained folder (AutoModelForCausalLM.from_pretrained)")
+
+
 def main(args: Sequence[str] | None = None) -> int:
     """Run the command line (``async-pp`` and ``python -m lightning_async_pp``).
 
     Args:
         args: The arguments, ``None`` for ``sys.argv[1:]``. ``consolidate CHECKPOINT_DIR OUT`` writes a sharded
-            checkpoint as one file (:func:`lightning_async_pp.checkpoint.consolidate`).
+            checkpoint as one file (:func:`consolidate_main`).
 
     Returns:
         0 after success. Errors raise: argument errors as ``SystemExit(2)``, failures of the run as their
@@ -100,8 +152,6 @@ def main(args: Sequence[str] | None = None) -> int:
     """
     argv = list(args) if args is not None else sys.argv[1:]
     if argv[:1] == ["consolidate"]:  # not a LightningCLI subcommand
-        from lightning_async_pp.checkpoint import consolidate_main
-
         consolidate_main(argv[1:])
         return 0
     _current_folder_importable()

@@ -13,10 +13,9 @@ own layers gets exactly the weights the whole model would have.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +24,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
+from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.module import PipelineModule
-
-if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule
 
 Batch = tuple[Tensor, Tensor]
 
@@ -216,35 +213,3 @@ class GPT(PipelineModule):
         else:
             optimizer = self.optimizer_factory(self.named_parameters())
         return with_lr_schedule(optimizer, self)
-
-
-def log_lr_and_throughput(module: LightningModule, tokens: int, start: float | None) -> None:
-    """Log the learning rate and the tokens per second of the batch that started at ``start``."""
-    module.log("train/lr", module.trainer.optimizers[0].param_groups[0]["lr"])
-    if start is not None:
-        module.log("train/tokens_per_sec", tokens / max(time.perf_counter() - start, 1e-9))
-
-
-def with_lr_schedule(optimizer: torch.optim.Optimizer, module: LightningModule) -> Any:
-    """``configure_optimizers``' answer for ``module.hparams.lr_schedule``: the optimizer alone (``"constant"``)
-    or with a per-step linear warm-up and cosine decay over the trainer's estimated number of steps."""
-    hparams = module.hparams
-    if hparams.lr_schedule == "constant":
-        return optimizer
-    total = max(1, int(module.trainer.estimated_stepping_batches))
-    factor = cosine_with_warmup(total, hparams.warmup_fraction, hparams.min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def cosine_with_warmup(total_steps: int, warmup_fraction: float = 0.1, min_ratio: float = 0.1):
-    """Learning-rate factor for ``LambdaLR``: linear warm-up, then cosine decay to ``min_ratio``."""
-    warmup = int(total_steps * warmup_fraction)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor

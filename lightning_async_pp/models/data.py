@@ -1,14 +1,38 @@
-"""Tokenized text as packed sequences for causal LMs, offline: bytes by default, or a local tokenizer."""
+"""Text corpora as datasets, offline: the text that ships with Python or local files, as bytes or as the tokens
+of a local tokenizer, split by position into training and validation text."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_async_pp.demos.data import TextDataModule, builtin_corpus, read_corpus
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
+
+
+def builtin_corpus() -> bytes:
+    """About 0.5 MB of English: the topic help that ships with every Python (``pydoc_data.topics``)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+def read_corpus(path: str | Path) -> bytes:
+    """Read one text file, or every text file under a folder (sorted, so the corpus is reproducible)."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path.read_bytes()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise FileNotFoundError(f"No text files ({', '.join(TEXT_SUFFIXES)}) found under {path}.")
+        return b"\n\n".join(p.read_bytes() for p in files)
+    raise FileNotFoundError(
+        f"Text corpus {path} does not exist. Set `data.path` to a file or folder, or leave it unset."
+    )
 
 
 def tokenize(text: bytes, tokenizer: str | None) -> tuple[Tensor, int]:
@@ -28,6 +52,26 @@ def tokenize(text: bytes, tokenizer: str | None) -> tuple[Tensor, int]:
         "input_ids"
     ]
     return torch.tensor(ids, dtype=torch.long), len(tok)
+
+
+class EpochShuffle(Sampler[int]):
+    """A permutation drawn from ``seed + epoch``: every epoch reproducible on its own, also after a resume."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        # Drawn lazily, at the first index, after the trainer has set the epoch.
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(self.size, generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class PackedSequences(Dataset):
@@ -55,7 +99,71 @@ class PackedSequences(Dataset):
         return {"input_ids": self.ids[start : start + self.block_size]}
 
 
-class TokenizedTextDataModule(TextDataModule):
+class CorpusDataModule(LightningDataModule):
+    """A text corpus cut into training and validation windows; a subclass says how (:meth:`encode`, :meth:`windows`).
+
+    The first ``1 - val_fraction`` of the encoded corpus trains and the rest validates, so validation always
+    reads text the model never trained on. Every pipeline stage draws the same shuffled order (a permutation of
+    ``seed + epoch``), so the stages of a pipeline see the same batches.
+
+    Args:
+        path: A text file or a folder of text files. ``None`` uses the English text that ships with Python.
+        block_size: Tokens per window.
+        batch_size: Windows per batch (split into micro-batches by the pipeline strategy).
+        val_fraction: Share of the corpus, taken from its end, used for validation.
+        num_workers: DataLoader worker processes.
+        seed: Seed of the training shuffle.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        block_size: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"`val_fraction` must be between 0 and 1, got {val_fraction}.")
+        self.path = path
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.num_workers = num_workers
+        self.seed = seed
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def encode(self, text: bytes) -> Tensor:
+        """The corpus as a 1-D tensor of token ids."""
+        raise NotImplementedError
+
+    def windows(self, ids: Tensor) -> Dataset:
+        """The dataset of one part (training or validation) of the encoded corpus."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        ids = self.encode(builtin_corpus() if self.path is None else read_corpus(self.path))
+        split = int(len(ids) * (1.0 - self.val_fraction))
+        self.train_set = self.windows(ids[:split])
+        self.val_set = self.windows(ids[split:])
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            sampler=EpochShuffle(len(self.train_set), self.seed),
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+class TokenizedTextDataModule(CorpusDataModule):
     """A text corpus as packed token sequences for :class:`~lightning_async_pp.models.CausalLM`.
 
     Works offline: the default corpus is the English text that ships with Python and the default tokens are
@@ -88,13 +196,13 @@ class TokenizedTextDataModule(TextDataModule):
         self.tokenizer = tokenizer
         self.vocab_size: int | None = None
 
-    def setup(self, stage: str | None = None) -> None:
-        raw = builtin_corpus() if self.path is None else read_corpus(self.path)
-        ids, self.vocab_size = tokenize(raw, self.tokenizer)
+    def encode(self, text: bytes) -> Tensor:
+        ids, self.vocab_size = tokenize(text, self.tokenizer)
         self._check_vocab(ids)
-        split = int(len(ids) * (1.0 - self.val_fraction))
-        self.train_set = PackedSequences(ids[:split], self.block_size)
-        self.val_set = PackedSequences(ids[split:], self.block_size)
+        return ids
+
+    def windows(self, ids: Tensor) -> Dataset:
+        return PackedSequences(ids, self.block_size)
 
     def _check_vocab(self, ids: Tensor) -> None:
         model = self.trainer.lightning_module if self.trainer is not None else None

@@ -31,7 +31,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
-from lightning_async_pp.demos.gpt import log_lr_and_throughput, with_lr_schedule
+from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.contract import run_layers
 from lightning_async_pp.strategy.placement import MetaLayers
 

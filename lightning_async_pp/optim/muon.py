@@ -27,10 +27,20 @@ token/position embeddings and output heads in the usual naming schemes (nanoGPT,
 project's demo GPT)."""
 
 
-def newton_schulz_float32(
+def zeropower_via_newtonschulz_float32(
     grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
 ) -> Tensor:
-    """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products."""
+    """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products.
+
+    Args:
+        grad: The 2-D update to orthogonalize.
+        ns_coefficients: The iteration's ``(a, b, c)``.
+        ns_steps: Iterations.
+        eps: Floor of the norm that ``grad`` is divided by first.
+
+    Returns:
+        The orthogonalized update, in ``grad``'s dtype.
+    """
     a, b, c = ns_coefficients
     x = grad.float()
     if grad.size(0) > grad.size(1):
@@ -45,7 +55,7 @@ def newton_schulz_float32(
 
 
 @contextlib.contextmanager
-def float32_newton_schulz() -> Iterator[None]:
+def use_float32_newton_schulz() -> Iterator[None]:
     """Within the block, every :class:`torch.optim.Muon` step (and so :class:`Muon`'s) orthogonalizes in float32.
 
     torch runs the Newton-Schulz iteration in bfloat16, whose rounding depends on the hardware's bfloat16
@@ -58,7 +68,7 @@ def float32_newton_schulz() -> Iterator[None]:
     import torch.optim._muon as torch_muon
 
     original = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = newton_schulz_float32
+    torch_muon._zeropower_via_newtonschulz = zeropower_via_newtonschulz_float32
     try:
         yield
     finally:

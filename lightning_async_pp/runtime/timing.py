@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_async_pp.files import atomic_write_text
 from lightning_async_pp.schedule import Action, Op
 
 FIELDS = ("step", "wall", "forward", "backward", "wait", "update", "version_lag")
@@ -261,9 +262,7 @@ def write_chrome_trace(stage_events: list[tuple[int, list[tuple[str, float, floa
             )
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "pipeline_trace.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-    os.replace(path + ".tmp", path)
+    atomic_write_text(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
     return path
 
 

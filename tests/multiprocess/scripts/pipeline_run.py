@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
-from lightning_async_pp.optim.muon import float32_newton_schulz  # noqa: E402
+from lightning_async_pp.optim.muon import use_float32_newton_schulz  # noqa: E402
 from tests.fixtures.helpers import global_batches, loader, random_batches, save_stage, tiny_gpt  # noqa: E402
 
 
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    with float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
+    with use_float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
         _run(args)
 
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
-from lightning_async_pp.optim.muon import float32_newton_schulz  # noqa: E402
+from lightning_async_pp.optim.muon import use_float32_newton_schulz  # noqa: E402
 from tests.fixtures.helpers import loader, random_batches, run_script, save_stage  # noqa: E402
 
 VOCAB, WIDTH = 256, 16
@@ -280,7 +280,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = _parser().parse_args(argv)
-    with float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
+    with use_float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
         _run(args)
 
 

@@ -473,11 +473,11 @@ def test_describe_routing_counts_both_parts_and_names_matrices_on_adamw():
 def test_float32_newton_schulz_is_close_to_torch_and_patches_only_inside_the_block():
     import torch.optim._muon as torch_muon
 
-    from lightning_async_pp.optim.muon import float32_newton_schulz, newton_schulz_float32
+    from lightning_async_pp.optim.muon import use_float32_newton_schulz, zeropower_via_newtonschulz_float32
 
     coefficients = (3.4445, -4.775, 2.0315)
     g = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
-    ours = newton_schulz_float32(g, coefficients, 5, 1e-7)
+    ours = zeropower_via_newtonschulz_float32(g, coefficients, 5, 1e-7)
     theirs = torch_muon._zeropower_via_newtonschulz(g, coefficients, 5, 1e-7).float()
     assert ours.shape == g.shape and ours.dtype == g.dtype
     assert 0 < (ours - theirs).norm() / theirs.norm() < 0.05  # bfloat16 rounding is the difference
@@ -490,7 +490,7 @@ def test_float32_newton_schulz_is_close_to_torch_and_patches_only_inside_the_blo
 
     plain = step(torch.nn.Parameter(torch.zeros(48, 16)))
     original = torch_muon._zeropower_via_newtonschulz
-    with float32_newton_schulz():
+    with use_float32_newton_schulz():
         inside = step(torch.nn.Parameter(torch.zeros(48, 16)))
     assert torch_muon._zeropower_via_newtonschulz is original
     assert not torch.equal(inside, plain)

@@ -1,0 +1,76 @@
+"""Whether a checkpoint can continue this run, and fitting rank 0's saved scheduler states to this rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_async_pp.checkpoint.layout import MODEL_PREFIX
+
+
+def check_compatible(
+    path: _PATH, info: dict[str, Any], index: Metadata, schedule: str, model_shapes: dict[str, tuple]
+) -> None:
+    """Refuse a checkpoint that cannot continue this run, saying what differs. Every rank decides alike.
+
+    Args:
+        path: The checkpoint (for the message).
+        info: ``meta.pt``'s ``"async_pp"`` entry.
+        index: DCP's index of the checkpoint.
+        schedule: This run's schedule.
+        model_shapes: Names and shapes of the whole model's state dict (all stages).
+    """
+    saved_schedule = info.get("schedule")
+    if info.get("has_training_state") and saved_schedule != schedule:
+        raise ValueError(
+            f"The checkpoint {path} was saved by a schedule={saved_schedule!r} run; this run uses "
+            f"schedule={schedule!r}. The weight versions and optimizer state of one schedule do not continue the "
+            f"other: set `schedule={saved_schedule!r}`, or start a new run from the weights only."
+        )
+    saved = {
+        key[len(MODEL_PREFIX) :]: tuple(md.size)
+        for key, md in index.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)
+    }
+    missing = sorted(set(model_shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(model_shapes))
+    reshaped = sorted(n for n in set(saved) & set(model_shapes) if tuple(saved[n]) != tuple(model_shapes[n]))
+    if missing or unexpected or reshaped:
+        details = []
+        if missing:
+            details.append(f"missing from the checkpoint: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        if unexpected:
+            details.append(f"not in this model: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
+        if reshaped:
+            details.append(
+                "other shapes: " + ", ".join(f"{n} {saved[n]} vs {tuple(model_shapes[n])}" for n in reshaped[:6])
+            )
+        raise ValueError(
+            f"The checkpoint {path} holds another model than this one ({'; '.join(details)}). Build the model with "
+            "the configuration it was saved with."
+        )
+
+
+def align_lr_schedulers(schedulers_state: list[dict[str, Any]], optimizers: list[torch.optim.Optimizer]) -> None:
+    """Fit rank 0's saved scheduler states to this rank's parameter groups (their number depends on the stage).
+
+    Schedulers keep one entry per parameter group (``base_lrs``, ``_last_lr``, ``lr_lambdas``). ``meta.pt``
+    holds rank 0's, whose stage may have other groups than this rank's; the per-group values are taken
+    from this rank's optimizer, restored just before (``initial_lr`` and ``lr`` travel with each parameter).
+    """
+    if len(optimizers) != 1:
+        return
+    groups = optimizers[0].param_groups
+    for state in schedulers_state:
+        if not isinstance(state, dict):
+            continue
+        if "base_lrs" in state and all("initial_lr" in g for g in groups):
+            state["base_lrs"] = [g["initial_lr"] for g in groups]
+        if "_last_lr" in state:
+            state["_last_lr"] = [g["lr"] for g in groups]
+        if isinstance(state.get("lr_lambdas"), list):
+            lambdas = state["lr_lambdas"]
+            state["lr_lambdas"] = [lambdas[i] if i < len(lambdas) else None for i in range(len(groups))]
