@@ -133,13 +133,89 @@ def gather_save(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
     dist.barrier()
 
 
+def save_timed(strategy: Any, dump: dict[str, Any], method: str, path: Path, record: dict[str, Any]) -> None:
+    """Save ``dump`` to ``path`` by ``method``, recording the seconds and the heap peak."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    begin = time.perf_counter()
+    with HeapPeak() as heap:
+        if method == "gather":
+            gather_save(strategy, dump, path)
+        else:
+            io = strategy._sharded_io()
+            io.async_save = method == "dcp_async"
+            strategy.save_checkpoint(dict(dump), path)
+            if method == "dcp_async":
+                record["dcp_async_blocking_s"] = io.last_save_blocking_seconds
+                io.wait()
+                dist.barrier()
+            io.async_save = False
+    record[f"{method}_save_s"] = time.perf_counter() - begin
+    record[f"{method}_save_peak_mb"] = heap.peak_mb
+
+
+def load_timed(trainer: Any, module: Any, method: str, path: Path, record: dict[str, Any]) -> None:
+    """Read this rank's stage back from ``path``, recording the seconds, the heap peak and the size on disk."""
+    import torch.distributed as dist
+
+    from lightning_async_pp import checkpoint as sharded
+
+    strategy = trainer.strategy
+    dist.barrier()
+    begin = time.perf_counter()
+    with HeapPeak() as heap:
+        if method == "gather":
+            # The gathered file holds every stage: each rank reads all of it to keep its own.
+            loaded = torch.load(path, weights_only=True)
+            assert len(loaded["async_pp"]["stages"]) > strategy.stage, "the gathered file lacks this stage"
+            del loaded
+        else:
+            index = sharded.read_index(path)
+            sharded.load_stage(
+                path,
+                index,
+                state_dict=module.state_dict(),
+                module=module,
+                optimizer=strategy.optimizers[0],
+                previous=strategy._previous_weights(),
+                stage=strategy.stage,
+                process_group=strategy._groups.checkpoint,
+            )
+    dist.barrier()
+    record[f"{method}_load_s"] = time.perf_counter() - begin
+    record[f"{method}_load_peak_mb"] = heap.peak_mb
+    if path.exists() and trainer.global_rank == 0:
+        size = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.iterdir())
+        record[f"{method}_bytes_mb"] = size / 2**20
+
+
+def measure(trainer: Any, module: Any, methods: list[str], out: Path) -> dict[str, Any]:
+    """This rank's record: its stage's share, then each method's save and load."""
+    from lightning_async_pp import checkpoint as sharded
+
+    strategy = trainer.strategy
+    share = _bytes(
+        sharded.stage_shard(
+            module.state_dict(), strategy.optimizers[0], module, strategy._previous_weights(), strategy.stage
+        )
+    )
+    record = {"rank": trainer.global_rank, "stage": strategy.stage, "share_mb": share / 2**20}
+    dump = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    for method in methods:
+        path = out / f"{method}.ckpt"
+        save_timed(strategy, dump, method, path, record)
+        if method != "dcp_async":
+            load_timed(trainer, module, method, path, record)
+    return record
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of the job (Lightning's launcher starts the others by re-running this command)."""
     sys.path.insert(0, str(ROOT))
     from lightning.pytorch import Callback, Trainer
 
     from lightning_async_pp import AsyncPipelineStrategy
-    from lightning_async_pp import checkpoint as sharded
     from lightning_async_pp.demos import GPT
     from lightning_async_pp.optim import DelayCorrected
     from tests.fixtures.helpers import loader, random_batches
@@ -150,63 +226,7 @@ def worker(args: argparse.Namespace) -> None:
 
     class Measure(Callback):
         def on_train_end(self, trainer: Trainer, module: Any) -> None:
-            strategy = trainer.strategy
-            import torch.distributed as dist
-
-            share = _bytes(
-                sharded.stage_shard(
-                    module.state_dict(), strategy.optimizers[0], module, strategy._previous_weights(), strategy.stage
-                )
-            )
-            record = {"rank": trainer.global_rank, "stage": strategy.stage, "share_mb": share / 2**20}
-            dump = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            for method in args.methods:
-                path = out / f"{method}.ckpt"
-                dist.barrier()
-                begin = time.perf_counter()
-                with HeapPeak() as heap:
-                    if method == "gather":
-                        gather_save(strategy, dump, path)
-                    else:
-                        io = strategy._sharded_io()
-                        io.async_save = method == "dcp_async"
-                        strategy.save_checkpoint(dict(dump), path)
-                        if method == "dcp_async":
-                            record["dcp_async_blocking_s"] = io.last_save_blocking_seconds
-                            io.wait()
-                            dist.barrier()
-                        io.async_save = False
-                record[f"{method}_save_s"] = time.perf_counter() - begin
-                record[f"{method}_save_peak_mb"] = heap.peak_mb
-                if method == "dcp_async":
-                    continue
-                dist.barrier()
-                begin = time.perf_counter()
-                with HeapPeak() as heap:
-                    if method == "gather":
-                        # The gathered file holds every stage: each rank reads all of it to keep its own.
-                        loaded = torch.load(path, weights_only=True)
-                        assert len(loaded["async_pp"]["stages"]) > strategy.stage, "the gathered file lacks this stage"
-                        del loaded
-                    else:
-                        index = sharded.read_index(path)
-                        sharded.load_stage(
-                            path,
-                            index,
-                            state_dict=module.state_dict(),
-                            module=module,
-                            optimizer=strategy.optimizers[0],
-                            previous=strategy._previous_weights(),
-                            stage=strategy.stage,
-                            process_group=strategy._groups.checkpoint,
-                        )
-                dist.barrier()
-                record[f"{method}_load_s"] = time.perf_counter() - begin
-                record[f"{method}_load_peak_mb"] = heap.peak_mb
-                if path.exists() and trainer.global_rank == 0:
-                    size = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.iterdir())
-                    record[f"{method}_bytes_mb"] = size / 2**20
-            records.append(record)
+            records.append(measure(trainer, module, args.methods, out))
 
     width = WIDTH[args.size]
     model = GPT(
@@ -295,17 +315,19 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| size | P | params | rank-0 share MB | save s gather / dcp / async held | load s gather / dcp | rank-0 save peak MB gather / dcp | max load peak MB gather / dcp |",
+        "| size | P | params | rank-0 share MB | save s gather / dcp / async held | load s gather / dcp "
+        "| rank-0 save peak MB gather / dcp | max load peak MB gather / dcp |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")
     for r in rows:
         lines.append(
             f"| {r['size']}x | {r['P']} | {r['parameters'] / 1e6:.1f}M | {r['rank0_share_mb']:.1f} | "
-            f"{r.get('gather_save_s', float('nan')):.2f} / {r.get('dcp_save_s', float('nan')):.2f} / "
-            f"{r.get('dcp_async_blocking_s', float('nan')):.2f} | "
-            f"{r.get('gather_load_s', float('nan')):.2f} / {r.get('dcp_load_s', float('nan')):.2f} | "
-            f"{r.get('gather_rank0_save_peak_mb', float('nan')):.1f} / {r.get('dcp_rank0_save_peak_mb', float('nan')):.1f} | "
-            f"{r.get('gather_max_load_peak_mb', float('nan')):.1f} / {r.get('dcp_max_load_peak_mb', float('nan')):.1f} |"
+            f"{r.get('gather_save_s', nan):.2f} / {r.get('dcp_save_s', nan):.2f} / "
+            f"{r.get('dcp_async_blocking_s', nan):.2f} | "
+            f"{r.get('gather_load_s', nan):.2f} / {r.get('dcp_load_s', nan):.2f} | "
+            f"{r.get('gather_rank0_save_peak_mb', nan):.1f} / {r.get('dcp_rank0_save_peak_mb', nan):.1f} | "
+            f"{r.get('gather_max_load_peak_mb', nan):.1f} / {r.get('dcp_max_load_peak_mb', nan):.1f} |"
         )
     return "\n".join(lines)
 
