@@ -17,7 +17,7 @@ rank's own stage state (weights, ``w[t-1]``, optimizer state). Rank 0 is the las
 
 Usage::
 
-    python benchmarks/checkpoint.py --out benchmarks/results/checkpoint.json          # sizes 1x 4x 16x, P 2 and 4
+    python benchmarks/checkpoint.py --out benchmarks/results/checkpoint/checkpoint.json  # sizes 1x 4x 16x, P 2 and 4
     python benchmarks/checkpoint.py --sizes 1 --stages 4 --out /tmp/checkpoint.json   # one cell
 """
 
