@@ -1,0 +1,163 @@
+"""The package's layering and size rules (docs/architecture.md), read from the source with ``ast``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "lightning_async_pp"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES, MAX_STRATEGY_LINES = 400, 80, 6, 450
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+
+
+def imported(name: str) -> set[str]:
+    """Every module ``name`` imports, at module level or inside a function (a lazy import is a dependency too)."""
+    is_package = MODULES[name].name == "__init__.py"
+    out = set()
+    for node in ast.walk(TREES[name]):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1] + ([node.module] if node.module else [])
+                module = ".".join(base)
+            else:
+                module = node.module or ""
+            # `from package import submodule` depends on the submodule; `from module import name` on the module.
+            for alias in node.names:
+                full = f"{module}.{alias.name}"
+                out.add(full if full in MODULES else module)
+    return out
+
+
+def internal_dependencies(name: str) -> set[str]:
+    deps = set()
+    for target in imported(name):
+        parts = target.split(".")
+        while parts and ".".join(parts) not in MODULES:
+            parts.pop()
+        dep = ".".join(parts)
+        if parts and dep != name:
+            deps.add(dep)
+    return deps
+
+
+def in_layer(name: str, layer: str) -> bool:
+    return name == f"{PACKAGE}.{layer}" or name.startswith(f"{PACKAGE}.{layer}.")
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(path[path.index(dep) :] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_no_import_cycle():
+    cycles = find_cycles({name: internal_dependencies(name) for name in MODULES})
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize(
+    ("layer", "forbidden"),
+    [
+        ("schedule", "torch"),
+        ("schedule", "lightning"),
+        ("runtime", "lightning"),
+        ("reference", "lightning"),
+        ("optim", "lightning_async_pp.runtime"),
+        ("optim", "lightning_async_pp.strategy"),
+    ],
+)
+def test_layer_does_not_import(layer, forbidden):
+    offenders = {
+        name: sorted(t for t in imported(name) if t == forbidden or t.startswith(forbidden + "."))
+        for name in MODULES
+        if in_layer(name, layer)
+    }
+    offenders = {name: targets for name, targets in offenders.items() if targets}
+    assert not offenders, f"{layer}/ must not import {forbidden}: {offenders}"
+
+
+def test_only_the_strategy_layer_drives_lightning_pytorch():
+    allowed = ("strategy", "module", "cli", "models", "demos", "checkpoint")
+    offenders = [
+        name
+        for name in MODULES
+        if any(t.startswith("lightning.pytorch") for t in imported(name))
+        and not any(in_layer(name, layer) for layer in allowed)
+        and name != PACKAGE
+    ]
+    assert not offenders, offenders
+
+
+def test_nothing_outside_demos_imports_demos():
+    offenders = [
+        name
+        for name in MODULES
+        if not in_layer(name, "demos") and any(in_layer(dep, "demos") for dep in internal_dependencies(name))
+    ]
+    assert not offenders, offenders
+
+
+def too_long(trees: dict[str, ast.Module]) -> list[str]:
+    out = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lines = node.end_lineno - start + 1
+                limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                if lines > limit:
+                    out.append(f"{name}.{node.name}: {lines} lines (at most {limit})")
+    return out
+
+
+def test_no_class_or_function_too_long():
+    offenders = too_long(TREES)
+    assert not offenders, offenders
+
+
+def test_top_level_modules_and_strategy_size():
+    top_level = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top_level) <= MAX_TOP_LEVEL_MODULES, top_level
+    defining = [p for p in MODULES.values() if "class AsyncPipelineStrategy(" in p.read_text()]
+    assert len(defining) == 1
+    assert len(defining[0].read_text().splitlines()) <= MAX_STRATEGY_LINES, defining[0]
+
+
+def test_the_checks_can_fail():
+    """The helpers above find a cycle, a long function and a long class when there is one."""
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+    body = "    x = 1\n" * MAX_FUNCTION_LINES
+    long_function = ast.parse("def f():\n" + body)
+    long_class = ast.parse(
+        "class C:\n" + "".join(f"    def m{i}(self):\n        pass\n" for i in range(MAX_CLASS_LINES // 2))
+    )
+    assert too_long({"m": long_function}) == [f"m.f: {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"]
+    assert too_long({"m": long_class}) == [f"m.C: {MAX_CLASS_LINES + 1} lines (at most {MAX_CLASS_LINES})"]
