@@ -47,7 +47,8 @@ def draw(path: Path) -> None:
         )
     axes[0].set_xlabel("")
     axes[-1].set_xlabel(
-        f"time (forward = 1, backward = 2, update = 0.5); P = {STAGES} stages, M = {MICROBATCHES} micro-batches per step"
+        "time (forward = 1, backward = 2, update = 0.5); "
+        f"P = {STAGES} stages, M = {MICROBATCHES} micro-batches per step"
     )
     legend = [
         Patch(facecolor="tab:blue", edgecolor="k", label="F<i>: forward of micro-batch i"),

@@ -259,7 +259,8 @@ def print_table(rows: list[dict]) -> None:
             for k, v in row.items()
             if k not in ("check", "ok", "stages", "microbatches", "schedule", "variant", "error")
         }
-        line = f"{row['check']:<15} {str(row['ok']):<5} {row.get('stages', ''):>2} {row.get('microbatches', ''):>3} {name:<17} "
+        line = f"{row['check']:<15} {str(row['ok']):<5} {row.get('stages', ''):>2} "
+        line += f"{row.get('microbatches', ''):>3} {name:<17} "
         print(line + " ".join(f"{k}={_fmt(v)}" for k, v in details.items()))
         if "error" in row:
             print("    " + row["error"].strip().splitlines()[-1][:300])

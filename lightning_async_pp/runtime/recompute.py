@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-ActivationCheckpointing = Union[bool, Sequence[int | str | type]]
+# A typing.Union, which every jsonargparse release reads in a signature (LightningCLI).
+ActivationCheckpointing = Union[bool, Sequence[int | str | type]]  # noqa: UP007
 _MARK = "_async_pp_checkpointed"
 
 
