@@ -7,21 +7,16 @@ import importlib
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def bench():
-    # The benchmark runs from the repository's root (`python -m benchmarks.delay_gap`).
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    # The repository's root is on the path (pytest's rootdir), as for `python -m benchmarks.delay_gap` run there.
     cli, report, spec, summarize = (
         importlib.import_module(f"benchmarks.delay_gap.{name}") for name in ("cli", "report", "spec", "summarize")
     )
