@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.schedule.ir import is_int
 from lightning_async_pp.schedule.partition import balanced_partition, stage_ranges
 
 __all__ = ["DelayProfile", "pipedream_delays", "split_into_stages"]
@@ -44,7 +45,7 @@ __all__ = ["DelayProfile", "pipedream_delays", "split_into_stages"]
 
 def pipedream_delays(num_stages: int) -> list[int]:
     """The original PipeDream's delay of each stage: ``P - 1 - s`` steps for stage ``s`` of ``P``."""
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+    if not is_int(num_stages) or num_stages < 1:
         raise ValueError(f"`num_stages` must be a positive integer, got {num_stages!r}.")
     return [num_stages - 1 - s for s in range(num_stages)]
 
@@ -105,7 +106,7 @@ class DelayProfile:
         if len(groups) != len(delays):
             raise ValueError(f"Got {len(groups)} parameter groups but {len(delays)} delays; give one delay per group.")
         for d in delays:
-            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            if not is_int(d) or d < 0:
                 raise ValueError(f"Delays must be non-negative integers (steps), got {delays}.")
         seen: set[int] = set()
         for g in groups:

@@ -206,9 +206,14 @@ def _from_match(text: str, match: re.Match, num_microbatches: int, kind: str | N
 # --------------------------------------------------------------------------- validation
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer: an ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def require_int(name: str, value: object, minimum: int) -> None:
     """Raise a ``TypeError`` unless ``value`` is an int (not a bool), a ``ValueError`` if below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -13,11 +13,13 @@ import math
 from collections.abc import Sequence
 from itertools import accumulate
 
+from lightning_async_pp.schedule.ir import is_int
+
 __all__ = ["balanced_partition", "count_parameters", "partition_from_split_points", "stage_ranges"]
 
 
 def _check_stage_count(num_stages: int, num_layers: int) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+    if not is_int(num_stages):
         raise TypeError(f"num_stages must be an int, got {type(num_stages).__name__}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
@@ -118,7 +120,7 @@ def partition_from_split_points(
             f"({points}); give one split point per stage boundary"
         )
     for p in points:
-        if isinstance(p, bool) or not isinstance(p, int):
+        if not is_int(p):
             raise TypeError(f"split points must be ints, got {p!r}")
         if not 0 < p < num_layers:
             raise ValueError(

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_async_pp.runtime.contract import require_pipeline_module
 from lightning_async_pp.runtime.recompute import select_layers
 from lightning_async_pp.schedule import SCHEDULES, validate
+from lightning_async_pp.schedule.ir import is_int
 from lightning_async_pp.strategy.lifecycle import check_gradient_clipping_hook
 from lightning_async_pp.strategy.placement import partition_layers
 from lightning_async_pp.strategy.topology import check_process_count
@@ -35,19 +36,13 @@ def check_arguments(
         raise ValueError(
             f"Unknown pipeline schedule {schedule!r}. Set `schedule` to one of {', '.join(map(repr, SCHEDULES))}."
         )
-    if num_microbatches != "auto" and (
-        isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1
-    ):
+    if num_microbatches != "auto" and (not is_int(num_microbatches) or num_microbatches < 1):
         raise ValueError(f"`num_microbatches` must be a positive integer or 'auto', got {num_microbatches!r}.")
     if not (balance in ("parameters", "time") or (not isinstance(balance, str) and len(balance) > 0)):
         raise ValueError(f"`balance` must be 'parameters', 'time' or a list of per-layer costs, got {balance!r}.")
     if start_method not in ("popen", "spawn"):
         raise ValueError(f"`start_method` must be 'popen' or 'spawn', got {start_method!r}.")
-    if pipeline_parallel_size is not None and (
-        isinstance(pipeline_parallel_size, bool)
-        or not isinstance(pipeline_parallel_size, int)
-        or pipeline_parallel_size < 1
-    ):
+    if pipeline_parallel_size is not None and (not is_int(pipeline_parallel_size) or pipeline_parallel_size < 1):
         raise ValueError(f"`pipeline_parallel_size` must be a positive integer, got {pipeline_parallel_size!r}.")
 
 
