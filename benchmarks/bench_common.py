@@ -1,7 +1,10 @@
-"""What the benchmark scripts share: the description of the machine a report was measured on."""
+"""What the benchmark scripts share: the description of the machine a report was measured on, saving a report,
+starting a job's ranks, and reading the heap in use."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import platform
 from pathlib import Path
@@ -83,3 +86,42 @@ def run_ranks(
             pass
         for proc in procs:
             proc.wait()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+@functools.cache
+def _mallinfo2():
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+def heap_in_use() -> int | None:
+    """Bytes the allocator has handed out and not got back (glibc ``mallinfo2``: ``uordblks``, small blocks, plus
+    ``hblkhd``, mmapped large blocks); CPU tensors are allocated through it. ``None`` where glibc is not the
+    allocator."""
+    function = _mallinfo2()
+    if function is None:
+        return None
+    info = function()
+    return info.uordblks + info.hblkhd

@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_common import heap_in_use, machine_description
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -47,44 +47,18 @@ class HeapPeak:
     """Highest heap in use (``mallinfo2``: ``uordblks + hblkhd``) while the ``with`` block runs, above its start."""
 
     def __init__(self) -> None:
-        class _MallInfo2(ctypes.Structure):
-            _fields_ = [
-                (n, ctypes.c_size_t)
-                for n in (
-                    "arena",
-                    "ordblks",
-                    "smblks",
-                    "hblks",
-                    "hblkhd",
-                    "usmblks",
-                    "fsmblks",
-                    "uordblks",
-                    "fordblks",
-                    "keepcost",
-                )
-            ]
-
-        try:
-            self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-            self._mallinfo2.restype = _MallInfo2
-        except (OSError, AttributeError):
-            self._mallinfo2 = None
         self.peak_mb: float | None = None
 
-    def _heap(self) -> int:
-        info = self._mallinfo2()
-        return info.uordblks + info.hblkhd
-
     def __enter__(self) -> HeapPeak:
-        if self._mallinfo2 is None:
+        self._start = heap_in_use()
+        if self._start is None:
             return self
-        self._start = self._heap()
         self._peak = self._start
         self._running = True
 
         def sample() -> None:
             while self._running:
-                self._peak = max(self._peak, self._heap())
+                self._peak = max(self._peak, heap_in_use())
                 time.sleep(0.0005)
 
         self._thread = threading.Thread(target=sample, daemon=True)
@@ -92,11 +66,11 @@ class HeapPeak:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._mallinfo2 is None:
+        if self._start is None:
             return
         self._running = False
         self._thread.join()
-        self._peak = max(self._peak, self._heap())
+        self._peak = max(self._peak, heap_in_use())
         self.peak_mb = (self._peak - self._start) / 2**20
 
 
@@ -349,9 +323,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         worker(args)
         return {}
     import tempfile
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_common import machine_description
 
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="checkpoint_bench_"))
     cells = [

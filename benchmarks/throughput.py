@@ -64,7 +64,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench_common import machine_description, run_ranks
+from bench_common import heap_in_use, machine_description, run_ranks
 
 PIPELINE_VARIANTS = ("async_pp_2bw", "async_pp_1f1b", "torch_1f1b", "torch_gpipe", "single_process")
 CORRECTED_VARIANT = "async_pp_2bw_dc"
@@ -159,37 +159,12 @@ class HeapPeak:
     """
 
     def __init__(self) -> None:
-        import ctypes
-
-        class _MallInfo2(ctypes.Structure):
-            _fields_ = [
-                (n, ctypes.c_size_t)
-                for n in (
-                    "arena",
-                    "ordblks",
-                    "smblks",
-                    "hblks",
-                    "hblkhd",
-                    "usmblks",
-                    "fsmblks",
-                    "uordblks",
-                    "fordblks",
-                    "keepcost",
-                )
-            ]
-
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            self._mallinfo2 = libc.mallinfo2
-            self._mallinfo2.restype = _MallInfo2
-        except (OSError, AttributeError):
-            self._mallinfo2 = None
+        self.available = heap_in_use() is not None
         self.peak = 0
 
     def sample(self) -> None:
-        if self._mallinfo2 is not None:
-            info = self._mallinfo2()
-            self.peak = max(self.peak, info.uordblks + info.hblkhd)
+        if self.available:
+            self.peak = max(self.peak, heap_in_use())
 
     def wrap(self, fn):
         def sampled(*a, **k):
@@ -201,7 +176,7 @@ class HeapPeak:
         return sampled
 
     def mb(self) -> float | None:
-        return self.peak / 2**20 if self._mallinfo2 is not None else None
+        return self.peak / 2**20 if self.available else None
 
 
 HEAP = HeapPeak()
