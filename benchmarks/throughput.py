@@ -126,12 +126,9 @@ def build_model(args: argparse.Namespace):
 
 
 def make_batches(args: argparse.Namespace, seed: int = 0):
-    import torch
+    from lightning_async_pp.demos.data import random_token_batches
 
-    total = args.warmup + args.steps
-    generator = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, 256, (total, args.batch_size, args.seq + 1), generator=generator)
-    return [(row[:, :-1].clone(), row[:, 1:].clone()) for row in data]
+    return random_token_batches(args.warmup + args.steps, args.batch_size, args.seq, seed=seed)
 
 
 def split_points(args: argparse.Namespace, num_stages: int) -> list[int]:

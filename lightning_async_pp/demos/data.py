@@ -50,3 +50,13 @@ class TextDataModule(CorpusDataModule):
 
     def windows(self, ids: Tensor) -> Dataset:
         return ByteWindows(ids, self.block_size)
+
+
+def random_token_batches(
+    num_batches: int, batch_size: int, block_size: int, vocab_size: int = 256, seed: int = 0
+) -> list[tuple[Tensor, Tensor]]:
+    """Batches of uniformly random tokens as ``(inputs, targets)`` pairs, the targets shifted by one, from a
+    seeded generator: the same batches on every process, for tests and benchmarks that need no text."""
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab_size, (num_batches, batch_size, block_size + 1), generator=generator)
+    return [(row[:, :-1].clone(), row[:, 1:].clone()) for row in data]
