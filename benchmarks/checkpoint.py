@@ -186,13 +186,13 @@ def measure(trainer: Any, module: Any, methods: list[str], out: Path) -> dict[st
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of the job (Lightning's launcher starts the others by re-running this command)."""
-    sys.path.insert(0, str(ROOT))
     from lightning.pytorch import Callback, Trainer
+    from torch.utils.data import DataLoader
 
     from lightning_async_pp import AsyncPipelineStrategy
     from lightning_async_pp.demos import GPT
+    from lightning_async_pp.demos.data import random_token_batches
     from lightning_async_pp.optim import DelayCorrected
-    from tests.fixtures.helpers import loader, random_batches
 
     torch.set_num_threads(1)
     out = Path(args.out_dir)
@@ -222,7 +222,9 @@ def worker(args: argparse.Namespace) -> None:
             num_microbatches=args.stages, timeout=__import__("datetime").timedelta(minutes=5)
         ),
     )
-    trainer.fit(model, loader(random_batches(2, batch_size=args.stages, block=32)))
+    # Each item is already a batch; batch_size=None hands it through unchanged.
+    batches = random_token_batches(2, batch_size=args.stages, block_size=32)
+    trainer.fit(model, DataLoader(batches, batch_size=None, shuffle=False))
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(records[0]))
 
 
