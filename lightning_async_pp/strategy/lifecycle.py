@@ -1,6 +1,6 @@
-"""Every stage of a pipeline reads the same batches, in the same order.
+"""A training run's lifecycle under a pipeline: its data order, resuming mid-epoch, and the optimizer-step hooks.
 
-Each process of a pipeline runs its own training dataloader: the first stage takes the inputs of a batch, the
+**Data order.** Every stage of a pipeline reads the same batches, in the same order. Each process of a pipeline runs its own training dataloader: the first stage takes the inputs of a batch, the
 last stage the targets of *its* batch. If the processes shuffle differently, the two come from different
 samples. The strategy therefore gives every stage of one pipeline the same data order, and each replica its
 own shard, whatever the processes' global random states:
@@ -16,9 +16,10 @@ What this cannot reach (a sampler of the user's own, random transforms in the ma
 differs per process) is caught by the micro-batch fingerprint: see
 :mod:`lightning_async_pp.runtime.fingerprint`.
 
-Resuming a training epoch at the batch where a checkpoint left it.
+**Resuming.** :class:`ResumableLoader` continues a training epoch at the batch where a checkpoint left it.
 
-Lightning's optimizer-step hooks for a pipeline stage, whose updates the stage runtime applies itself.
+**Hooks.** Lightning's optimizer-step hooks for a pipeline stage, whose updates the stage runtime applies
+itself: :func:`before_optimizer_step`, and the refusal of an overridden ``configure_gradient_clipping``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ keys: ``EarlyStopping`` raises there, and a ``ModelCheckpoint`` sends the last s
   callback metrics. Validation and testing are synchronous already (the pipeline is flushed before them); an
   epoch end costs one wait per epoch.
 
-The stop flag carries a SIGTERM (see :mod:`lightning_async_pp.strategy.metrics`) from any rank to every rank: a rank
+The stop flag carries a SIGTERM (see :func:`install_sigterm_stop` below) from any rank to every rank: a rank
 sets its flag in the message of the step it is at; with several replicas the flags first meet in a
 non-blocking all-reduce over the replicas of each stage (a group of D ranks), read a step later, and enter
 the pipeline message from there, so every pipeline's message ``j`` carries the same flags. Every rank reads
