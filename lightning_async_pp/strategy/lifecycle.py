@@ -1,7 +1,8 @@
 """A training run's lifecycle under a pipeline: its data order, resuming mid-epoch, and the optimizer-step hooks.
 
-**Data order.** Every stage of a pipeline reads the same batches, in the same order. Each process of a pipeline runs its own training dataloader: the first stage takes the inputs of a batch, the
-last stage the targets of *its* batch. If the processes shuffle differently, the two come from different
+**Data order.** Every stage of a pipeline reads the same batches, in the same order. Each process of a
+pipeline runs its own training dataloader: the first stage takes the inputs of a batch, the last stage the
+targets of *its* batch. If the processes shuffle differently, the two come from different
 samples. The strategy therefore gives every stage of one pipeline the same data order, and each replica its
 own shard, whatever the processes' global random states:
 
