@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -258,6 +259,7 @@ def new_tie_groups(
     replica: int,
     stage: int,
     backend: str | None = None,
+    timeout: timedelta | None = None,
 ) -> tuple[list[Any], list[int]]:
     """Create one process group per tie and replica (a collective: every rank creates every group, in the
     same order).
@@ -269,6 +271,7 @@ def new_tie_groups(
         replica: This process's replica.
         stage: This process's stage.
         backend: Backend of the groups.
+        timeout: How long a collective on them waits before it fails (``None``: torch's default).
 
     Returns:
         Per tie, this replica's group (``None`` where this stage owns no copy) and the global rank of the
@@ -278,7 +281,7 @@ def new_tie_groups(
     for tie in ties:
         mine = None
         for d in range(replicas):
-            group = dist.new_group([rank_of(s, d) for s in tie.owners], backend=backend)
+            group = dist.new_group([rank_of(s, d) for s in tie.owners], backend=backend, timeout=timeout)
             if d == replica and stage in tie.names:
                 mine = group
         groups.append(mine)

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -270,6 +271,7 @@ def place_stage(
     activation_checkpointing: ActivationCheckpointing,
     data_group: Any,
     aliases: dict[str, str],
+    timeout: timedelta | None = None,
 ) -> StagePlacement:
     """Keep only this rank's stage of ``module``: drop the other layers, materialise this stage's, set up ties.
 
@@ -283,6 +285,7 @@ def place_stage(
         activation_checkpointing: Which layers recompute their forward in backward.
         data_group: This stage's replicas, over which the module's metrics sync.
         aliases: The whole model's parameter aliases (see :attr:`StagePlacement.parameter_aliases`).
+        timeout: How long a collective on the tie groups waits before it fails (the strategy's ``timeout``).
     """
     stage, replica = dims.stage_of(rank), dims.replica_of(rank)
     layers = list(module.pipeline_layers())
@@ -291,7 +294,7 @@ def place_stage(
     # Read on the whole model, before the other stages' layers are dropped (cheap on meta too).
     model_shapes = {n: tuple(t.shape) for n, t in module.state_dict().items()}
     ties = find_ties(layers, partition)
-    groups, sources = new_tie_groups(ties, dims.rank_of, dims.data_parallel_size, replica, stage, backend)
+    groups, sources = new_tie_groups(ties, dims.rank_of, dims.data_parallel_size, replica, stage, backend, timeout)
     recomputed = select_layers(layers, activation_checkpointing)
     keep_only_layers(module, layers, own, owner)
     shared = parameter_slots([layers[i] for i in own])

@@ -62,6 +62,7 @@ def setup_stage(strategy: Any, trainer: Trainer) -> None:
             strategy.activation_checkpointing,
             groups.data,
             parameter_aliases(module),  # read on the whole model, before the other stages' layers go
+            strategy.timeout,
         )
     groups.metrics.attach(trainer)
 

@@ -109,7 +109,8 @@ class ProcessGroups:
         rank: This process's global rank.
         backend: Backend of the training groups (the others are gloo).
         device: This stage's device (where relayed metrics are placed).
-        timeout: How long the metrics relay waits for a message.
+        timeout: How long a collective or transfer on any of these groups, and the metrics relay, wait before they
+            fail (the strategy's ``timeout``; a group made without one would get torch's default instead).
 
     Attributes:
         data: This stage's replicas, which average their gradients (and sync metrics).
@@ -125,21 +126,24 @@ class ProcessGroups:
         stage, replica = dims.stage_of(rank), dims.replica_of(rank)
         data = p2p = norm = None
         for s in range(dims.num_stages):
-            group = dist.new_group(dims.replicas(s), backend=backend)
+            group = dist.new_group(dims.replicas(s), backend=backend, timeout=timeout)
             if s == stage:
                 data = group
         for d in range(dims.data_parallel_size):
             ranks = dims.pipeline(d)
-            pair = dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend=backend)
+            pair = (
+                dist.new_group(ranks, backend=backend, timeout=timeout),
+                dist.new_group(ranks, backend=backend, timeout=timeout),
+            )
             if d == replica:
                 p2p, norm = pair
         self.data: dist.ProcessGroup = data
         self.p2p: dist.ProcessGroup = p2p
         self.norm: dist.ProcessGroup = norm
-        self.stats: dist.ProcessGroup = dist.new_group(dims.pipeline(0), backend="gloo")
+        self.stats: dist.ProcessGroup = dist.new_group(dims.pipeline(0), backend="gloo", timeout=timeout)
         pipelines = [dims.pipeline(d) for d in range(dims.data_parallel_size)]
         self.metrics: MetricsRelay = MetricsRelay.for_pipelines(pipelines, rank, device, timeout)
-        self.checkpoint: dist.ProcessGroup = dist.new_group(backend="gloo")
+        self.checkpoint: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def is_loopback(address: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -102,3 +103,39 @@ def test_torchrun_workers_join_the_agents_store(tmp_path):
     result = run_group(command, 120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(tmp_path / f"sum{rank}").read_text() for rank in (0, 1)] == ["3", "3"]
+
+
+GROUP_TIMEOUT_PROBE = textwrap.dedent(
+    """
+    import datetime, json, sys, torch, torch.distributed as dist
+    from lightning_async_pp.runtime.ties import Tie, new_tie_groups
+    from lightning_async_pp.strategy.topology import PipelineDims, ProcessGroups, init_process_group
+    init_process_group("gloo", 0, 1, "127.0.0.1", int(sys.argv[1]), datetime.timedelta(seconds=60), torch.device("cpu"))
+    calls, new_group = [], dist.new_group
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("timeout"))
+        return new_group(*args, **kwargs)
+
+    dist.new_group = recording
+    timeout = datetime.timedelta(seconds=7)
+    ProcessGroups(PipelineDims(1, 1), 0, "gloo", torch.device("cpu"), timeout)
+    tie = Tie(names={0: "w"}, layers=(0,), shape=(1,), dtype=torch.float32, requires_grad=True)
+    new_tie_groups([tie], lambda stage, replica: 0, 1, 0, 0, "gloo", timeout)
+    print("TIMEOUTS", json.dumps([None if t is None else t.total_seconds() for t in calls]))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_every_process_group_gets_the_strategys_timeout():
+    """A group made without `timeout=` waits torch's default (10 min on NCCL, 30 on gloo), not the strategy's."""
+    result = subprocess.run(
+        [sys.executable, "-c", GROUP_TIMEOUT_PROBE, str(free_port())], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("TIMEOUTS"))
+    timeouts = json.loads(line.removeprefix("TIMEOUTS "))
+    # data, p2p, norm, stats, the metrics relay's pipeline group, checkpoint; one tie group
+    assert len(timeouts) >= 6, timeouts
+    assert timeouts == [7.0] * len(timeouts), timeouts
