@@ -72,5 +72,10 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, devices
     stops = [record["stopped_at"] for record in records]
     assert stops[0] is not None and stops == [stops[0]] * devices, (stops, output[-3000:])
     # The flag is sampled at the next step's end and read a step later: two steps (three across replicas).
-    assert stops[0] == (5 if devices == 2 else 6), stops
+    expected = {5 if devices == 2 else 6}
+    if rank == 0:
+        # Rank 0 started the others and passes the signal on to them, as Lightning's launcher does; a child that
+        # receives it before posting the same step's message puts its flag in that message, a step earlier.
+        expected.add(4)
+    assert stops[0] in expected, stops
     assert all(record["received_sigterm"] for record in records)
