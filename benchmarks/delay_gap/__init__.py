@@ -40,8 +40,9 @@ the order of the training batches; a seed's runs share both, so per-seed gaps ar
 
 Muon's Newton-Schulz iteration runs in bfloat16 in ``torch.optim.Muon``, which on CPUs without native bfloat16
 matrix units is ~15x slower than the float32 products (about 1 s per step for this model on an AMD EPYC
-without AVX512-BF16). ``--muon-ns-dtype float32`` (the default) replaces the iteration, for these runs only,
-by the same iteration in float32; ``bfloat16`` keeps torch's.
+without AVX512-BF16). ``--muon-ns-dtype float32`` (the default, and what Muon's ``ns_dtype="auto"`` picks on a
+CPU) runs the iteration in float32; ``bfloat16`` runs torch's, for these runs only
+(:func:`~lightning_async_pp.optim.muon.newton_schulz_dtype`).
 
 Every run is a separate process (``--jobs`` at a time, ``--threads`` intra-op threads each) whose result is
 cached in ``--work-dir`` under a hash of its settings, so an interrupted benchmark resumes where it stopped.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -19,7 +18,7 @@ from torch.optim import Optimizer
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.demos import GPT, TextDataModule
 from lightning_async_pp.files import atomic_write_text
-from lightning_async_pp.optim.muon import use_float32_newton_schulz
+from lightning_async_pp.optim.muon import newton_schulz_dtype
 from lightning_async_pp.reference.profile import DelayProfile
 
 from .optimizers import make_optimizer_factory
@@ -128,7 +127,7 @@ def train(spec: RunSpec) -> dict[str, Any] | None:
     threads = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
     try:
-        with use_float32_newton_schulz() if spec.muon_ns_dtype == "float32" else contextlib.nullcontext():
+        with newton_schulz_dtype(spec.muon_ns_dtype):
             return _train(spec)
     finally:  # matters when a run shares its process (--in-process)
         torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import torch
+import torch.optim._muon as _torch_muon
 from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
@@ -54,25 +55,80 @@ def zeropower_via_newtonschulz_float32(
     return x.to(grad.dtype)
 
 
-@contextlib.contextmanager
-def use_float32_newton_schulz() -> Iterator[None]:
-    """Within the block, every :class:`torch.optim.Muon` step (and so :class:`Muon`'s) orthogonalizes in float32.
+NEWTON_SCHULZ_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+"""Values of :class:`Muon`'s ``ns_dtype``: the precision of the Newton-Schulz products."""
 
-    torch runs the Newton-Schulz iteration in bfloat16, whose rounding depends on the hardware's bfloat16
-    arithmetic: a float32 rounding difference in a gradient (another summation order of a clipping norm, say)
-    can flip a bfloat16 rounding and move an update by ~1e-4, by an amount that differs from one CPU to the
-    next. In float32 the same difference stays at float32 rounding. For studies and tests that compare runs
-    across machines or pipeline shapes; it is slower. Patches ``torch.optim._muon`` for the whole process while
-    the block runs.
+# torch's own iteration (bfloat16 products), kept before anything patches the module.
+_TORCH_NEWTON_SCHULZ = _torch_muon._zeropower_via_newtonschulz
+_NEWTON_SCHULZ = {"float32": zeropower_via_newtonschulz_float32, "bfloat16": _TORCH_NEWTON_SCHULZ}
+# The precision `newton_schulz_dtype` sets for the block it runs, or None outside any block.
+_process_dtype: str | None = None
+
+
+def _check_ns_dtype(ns_dtype: str, *, allow_auto: bool = True) -> str:
+    allowed = NEWTON_SCHULZ_DTYPES if allow_auto else NEWTON_SCHULZ_DTYPES[1:]
+    if ns_dtype not in allowed:
+        raise ValueError(f"`ns_dtype` must be one of {', '.join(map(repr, allowed))}, got {ns_dtype!r}.")
+    return ns_dtype
+
+
+def auto_newton_schulz_dtype(device: torch.device) -> str:
+    """The precision ``ns_dtype="auto"`` picks on ``device``: bfloat16 on CUDA, float32 elsewhere.
+
+    bfloat16 products are a GPU speed trick: tensor cores run them at twice the float32 rate. A CPU runs them
+    in software unless it has bfloat16 matrix units (an AMD EPYC without AVX512-BF16: 14x slower than float32 on a
+    128 x 512 update), and float32 is also the more precise iteration, whose result does not depend on the
+    CPU's bfloat16 rounding: on a CPU, float32 is both faster and reproducible across machines.
+
+    Args:
+        device: The device of the parameters that the step updates.
     """
-    import torch.optim._muon as torch_muon
+    return "bfloat16" if device.type == "cuda" else "float32"
 
-    original = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = zeropower_via_newtonschulz_float32
+
+@contextlib.contextmanager
+def _torch_newton_schulz(ns_dtype: str) -> Iterator[None]:
+    # torch.optim.Muon looks the iteration up in its module at each step: swap it for the block, then put
+    # back whatever was there (an enclosing block's choice included).
+    previous = _torch_muon._zeropower_via_newtonschulz
+    _torch_muon._zeropower_via_newtonschulz = _NEWTON_SCHULZ[ns_dtype]
     try:
         yield
     finally:
-        torch_muon._zeropower_via_newtonschulz = original
+        _torch_muon._zeropower_via_newtonschulz = previous
+
+
+@contextlib.contextmanager
+def newton_schulz_dtype(ns_dtype: str) -> Iterator[None]:
+    """Within the block, Newton-Schulz runs in ``ns_dtype`` for every :class:`torch.optim.Muon` step and for
+    every :class:`Muon` built with ``ns_dtype="auto"`` (a :class:`Muon` given ``"float32"`` or ``"bfloat16"``
+    keeps its own).
+
+    For studies and tests that compare runs across machines or pipeline shapes, where the bfloat16 rounding
+    of the hardware must not enter: a float32 rounding difference in a gradient (another summation order of a
+    clipping norm, say) can flip a bfloat16 rounding and move an update by ~1e-4, by an amount that differs
+    from one CPU to the next; in float32 the same difference stays at float32 rounding. Patches
+    ``torch.optim._muon`` for the whole process while the block runs.
+
+    Args:
+        ns_dtype: ``"float32"`` or ``"bfloat16"``.
+
+    Raises:
+        ValueError: For another ``ns_dtype``.
+    """
+    global _process_dtype
+    _check_ns_dtype(ns_dtype, allow_auto=False)
+    previous, _process_dtype = _process_dtype, ns_dtype
+    try:
+        with _torch_newton_schulz(ns_dtype):
+            yield
+    finally:
+        _process_dtype = previous
+
+
+def use_float32_newton_schulz() -> contextlib.AbstractContextManager[None]:
+    """``newton_schulz_dtype("float32")``: float32 Newton-Schulz in the block, for torch.optim.Muon too."""
+    return newton_schulz_dtype("float32")
 
 
 def _module_class(entry: str | type) -> type:
@@ -136,10 +192,27 @@ class _MatrixMuon(torch.optim.Muon):
             muon_momentum_bufs.append(_as_matrix(state["momentum_buffer"]))
         return False
 
+    ns_dtype: str = "auto"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Optimizer pickles only defaults, state and groups.
+        return {**super().__getstate__(), "ns_dtype": self.ns_dtype}
+
+    def resolved_ns_dtype(self) -> str | None:
+        """The precision of this step's Newton-Schulz products, ``None`` without a parameter to update."""
+        if self.ns_dtype != "auto":
+            return self.ns_dtype
+        if _process_dtype is not None:
+            return _process_dtype
+        param = next((p for group in self.param_groups for p in group["params"]), None)
+        return None if param is None else auto_newton_schulz_dtype(param.device)
+
     @torch.no_grad()
     def step(self, closure=None):
         self._write_back: list[tuple[Tensor, Tensor]] = []
-        loss = super().step(closure)
+        ns_dtype = self.resolved_ns_dtype()
+        with _torch_newton_schulz(ns_dtype) if ns_dtype is not None else contextlib.nullcontext():
+            loss = super().step(closure)
         for param, flat in self._write_back:
             param.copy_(flat)
         self._write_back = []
@@ -209,6 +282,9 @@ class Muon(Optimizer):
         adamw_modules: Module classes, or their import paths (``"torch.nn.Embedding"``), whose own parameters
             go to AdamW although they are matrices. Only used when ``params`` is a module.
         muon_kernels: Whether convolution kernels get Muon (flattened to matrices) or AdamW.
+        ns_dtype: Precision of the Newton-Schulz products: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere, see
+            :func:`auto_newton_schulz_dtype`; inside a :func:`newton_schulz_dtype` block, that block's),
+            ``"float32"`` or ``"bfloat16"`` (:class:`torch.optim.Muon`'s iteration).
 
     Raises:
         ValueError: If a hyperparameter is out of range, if a group with ``"use_muon": True`` contains a
@@ -240,6 +316,7 @@ class Muon(Optimizer):
         adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS,
         adamw_modules: Sequence[str | type] = (),
         muon_kernels: bool = True,
+        ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto",
     ) -> None:
         if isinstance(adamw_patterns, str):
             raise TypeError(f"`adamw_patterns` must be a sequence of patterns, got the string {adamw_patterns!r}.")
@@ -270,6 +347,7 @@ class Muon(Optimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
         )
+        self._muon.ns_dtype = _check_ns_dtype(ns_dtype)
         self._adamw = _empty_optimizer(
             AdamW, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
         )
@@ -352,7 +430,8 @@ class Muon(Optimizer):
     def routing(self) -> dict[str, Any]:
         """Where the parameters went: per part the number of tensors and of elements, the number of kernels
         on Muon, and the names of the matrices and kernels on AdamW (``"#i"`` for unnamed tensors, ``i``
-        counting over all of this optimizer's parameters)."""
+        counting over all of this optimizer's parameters), and ``ns_dtype``: the precision the next step's
+        Newton-Schulz runs in (``None`` when the Muon part is empty)."""
         out: dict[str, Any] = {
             "muon_tensors": 0,
             "muon_numel": 0,
@@ -360,6 +439,7 @@ class Muon(Optimizer):
             "adamw_tensors": 0,
             "adamw_numel": 0,
             "adamw_matrices": [],
+            "ns_dtype": self._muon.resolved_ns_dtype(),
         }
         index = 0
         for group in self.param_groups:
@@ -378,15 +458,16 @@ class Muon(Optimizer):
     def describe_routing(self) -> str:
         """One line: how many tensors and parameters each part holds, and which matrices went to AdamW.
 
-        Example: ``Muon 4 tensors (12,288 parameters, 2 conv kernels as matrices), AdamW 6 tensors (1,034
-        parameters); matrices on AdamW: head.weight``.
+        Example: ``Muon 4 tensors (12,288 parameters, 2 conv kernels as matrices; Newton-Schulz in float32), AdamW
+        6 tensors (1,034 parameters); matrices on AdamW: head.weight``.
         """
         r = self.routing()
         kernels = f", {r['muon_kernels']} conv kernels as matrices" if r["muon_kernels"] else ""
+        precision = f"; Newton-Schulz in {r['ns_dtype']}" if r["ns_dtype"] else ""
         matrices = ", ".join(r["adamw_matrices"]) or "none"
         return (
-            f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{kernels}), AdamW {r['adamw_tensors']}"
-            f" tensors ({r['adamw_numel']:,} parameters); matrices on AdamW: {matrices}"
+            f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{kernels}{precision}), AdamW"
+            f" {r['adamw_tensors']} tensors ({r['adamw_numel']:,} parameters); matrices on AdamW: {matrices}"
         )
 
     def _check_disjoint_and_naming(self, group: dict[str, Any]) -> None:
