@@ -13,11 +13,11 @@ import ctypes
 import os
 import shutil
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from typing_extensions import override
 
 from lightning_async_pp.checkpoint.layout import META_FILE, SHARD_KEY, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu, use_device
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -36,15 +37,19 @@ class ShardedCheckpointIO(CheckpointIO):
     It is the default ``checkpoint_io`` of :class:`~lightning_async_pp.AsyncPipelineStrategy`. Every rank calls
     :meth:`save_checkpoint` with its own payload (its stage's tensors; rank 0 also Lightning's metadata), so it
     can be wrapped by Lightning's ``AsyncCheckpointIO``: the whole transaction, rename included, then runs in
-    its background thread, on a process group of its own. A payload that is not a sharded one (a plain state
-    dict) is written as one file by ``metadata_io``, as ``TorchCheckpointIO`` would.
+    its background thread, on a process group of its own (the strategy first waits for the previous save and
+    copies the payload to host memory, see :mod:`~lightning_async_pp.checkpoint.snapshot`). A payload that is
+    not a sharded one (a plain state dict) is written as one file by ``metadata_io``, as ``TorchCheckpointIO``
+    would.
 
     Args:
         metadata_io: Writes and reads ``meta.pt`` (and plain single-file checkpoints). Default:
             ``TorchCheckpointIO``. A custom checkpoint plugin given to the Trainer takes this place.
-        async_save: Write through ``torch.distributed.checkpoint.async_save``: the tensors are copied (staged) in
-            the caller's thread and written in the background; the next save, and the end of training, wait for
-            the previous one. The checkpoint appears under its name only when complete.
+        async_save: Write in a background thread: the caller waits for the previous save (one in flight at a
+            time), copies the payload to host memory and returns; the thread writes the copy, from the stage's
+            CUDA device. The end of training and a load wait for it; its error, if any, is raised by the next
+            save. The checkpoint appears under its name only when complete. One copy of the stage's state in
+            host memory, none on the GPU (Lightning's ``AsyncCheckpointIO`` takes a second one).
     """
 
     def __init__(self, metadata_io: CheckpointIO | None = None, async_save: bool = False) -> None:
@@ -52,7 +57,10 @@ class ShardedCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.process_group: Any = None
         """Group of all ranks for DCP's planning collectives (set by the strategy; ``None`` on one process)."""
+        self.device: torch.device | None = None
+        """The stage's device, made the current CUDA device of the thread that writes (set by the strategy)."""
         self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self.last_save_blocking_seconds: float | None = None
         """How long the last :meth:`save_checkpoint` held its caller."""
 
@@ -75,50 +83,44 @@ class ShardedCheckpointIO(CheckpointIO):
                 "directory and copy it, or consolidate it (`python -m lightning_async_pp consolidate`) first."
             )
         begin = time.perf_counter()
-        self.wait()
-        path = Path(path)
+        self.wait()  # one save in flight: at most one copy of the stage's state exists besides the live one
+        if self.async_save:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_pp-checkpoint")
+            self._pending = self._executor.submit(self._write, snapshot_to_cpu(checkpoint), Path(path), storage_options)
+        else:
+            self._write(checkpoint, Path(path), storage_options)
+        self.last_save_blocking_seconds = time.perf_counter() - begin
+
+    def _write(self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None) -> None:
+        """The transaction: every rank writes its shard into the hidden directory, rank 0 the metadata and the
+        rename; every rank returns once the checkpoint is in place (collectives on :attr:`process_group`)."""
+        use_device(self.device)
         partial = _partial_path(path)
         rank = _rank(self.process_group)
         if rank == 0:
             _prepare(path, partial)
         self._barrier()
-        writer = FileSystemWriter(partial)
-        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        meta = checkpoint.get("meta")
-
-        def commit() -> None:
-            if rank == 0:
-                self.metadata_io.save_checkpoint(meta, partial / META_FILE, storage_options=storage_options)
-                _fsync(partial / META_FILE)
-                _replace_directory(partial, path)
-
-        no_dist = self.process_group is None
-        if self.async_save:
-            future = dcp.async_save(
+        try:
+            dcp.save(
                 checkpoint["shard"],
-                storage_writer=writer,
-                planner=planner,
+                storage_writer=FileSystemWriter(partial),
+                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                 process_group=self.process_group,
-                no_dist=no_dist,
+                no_dist=self.process_group is None,
             )
-            self._pending = _then(future, commit)
-        else:
-            try:
-                dcp.save(
-                    checkpoint["shard"],
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=self.process_group,
-                    no_dist=no_dist,
-                )
-            except CheckpointException as error:  # a BaseException: make it an ordinary error, on every rank
-                raise RuntimeError(
-                    f"Could not write the checkpoint {path} ({error}). The previous checkpoint at that name, if any, "
-                    "is untouched."
-                ) from error
-            commit()
-            self._barrier()  # every rank returns once the checkpoint is in place
-        self.last_save_blocking_seconds = time.perf_counter() - begin
+        except CheckpointException as error:  # a BaseException: make it an ordinary error, on every rank
+            raise RuntimeError(
+                f"Could not write the checkpoint {path} ({error}). The previous checkpoint at that name, if any, "
+                "is untouched."
+            ) from error
+        if rank == 0:
+            self.metadata_io.save_checkpoint(
+                checkpoint.get("meta"), partial / META_FILE, storage_options=storage_options
+            )
+            _fsync(partial / META_FILE)
+            _replace_directory(partial, path)
+        self._barrier()
 
     def wait(self) -> None:
         """Wait for a pending asynchronous save; raise its error, if any."""
@@ -169,8 +171,13 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        self.wait()
-        self.metadata_io.teardown()
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self.metadata_io.teardown()
 
     def _barrier(self) -> None:
         if self.process_group is not None:
@@ -183,22 +190,6 @@ def _prepare(path: Path, partial: Path) -> None:
         raise IsADirectoryError(f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint.")
     shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
     partial.mkdir(parents=True)
-
-
-def _then(saved: Future, commit: Callable[[], None]) -> Future:
-    """A future done once ``saved`` is and ``commit`` has run after it, holding the first error of the two."""
-    done: Future = Future()
-
-    def finish(saved: Future) -> None:
-        try:
-            saved.result()
-            commit()
-            done.set_result(None)
-        except BaseException as error:  # reported by the next save or by teardown
-            done.set_exception(error)
-
-    saved.add_done_callback(finish)
-    return done
 
 
 def _rank(group: Any) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -26,6 +27,7 @@ from lightning_async_pp.checkpoint import (
     read_index,
     stage_shard,
 )
+from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu
 from lightning_async_pp.runtime.contract import is_pipeline_module
 
 __all__ = [
@@ -126,7 +128,20 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any, stora
             "has_training_state": training_state,
         }
     payload = {SHARD_KEY: True, "shard": shard, "meta": meta}
-    strategy.checkpoint_io.save_checkpoint(payload, filepath, storage_options=storage_options)
+    io = strategy.checkpoint_io
+    base_checkpoint_io(io).device = strategy.root_device  # the device its writing thread must be on
+    if isinstance(io, AsyncCheckpointIO):
+        payload = _hand_over(io, payload)
+    io.save_checkpoint(payload, filepath, storage_options=storage_options)
+
+
+def _hand_over(io: AsyncCheckpointIO, payload: dict[str, Any]) -> dict[str, Any]:
+    """What Lightning's ``AsyncCheckpointIO`` may take to its thread: once the previous save is written (its queue
+    is unbounded), a copy in host memory (it clones on the tensors' own GPU, and its thread runs on device 0)."""
+    io._ensure_setup()
+    assert io._executor is not None
+    io._executor.submit(lambda: None).result()  # runs after every save queued before it
+    return snapshot_to_cpu(payload)
 
 
 def load_sharded(strategy: Any, path: Any) -> dict[str, Any]:

@@ -120,6 +120,12 @@ def main(argv=None) -> None:
         default=None,
         help="ModelCheckpoint every this many steps, during training, to DIR/final.ckpt",
     )
+    parser.add_argument(
+        "--checkpoint-io",
+        choices=["sync", "async_save", "lightning_async"],
+        default="sync",
+        help="how --checkpoint-every saves: ShardedCheckpointIO, with async_save=True, or in AsyncCheckpointIO",
+    )
     parser.add_argument("--lr-schedule", default="constant")
     parser.add_argument(
         "--global-batches",
@@ -179,6 +185,7 @@ def _run(args: argparse.Namespace) -> None:
         callbacks=callbacks,
         gradient_clip_val=args.clip,
         precision=args.precision,
+        plugins=_checkpoint_plugins(args.checkpoint_io),
     )
     batches = random_batches(args.total_steps or args.steps, batch_size=args.batch_size, block=args.seq)
     if args.global_batches:
@@ -205,6 +212,16 @@ def _run(args: argparse.Namespace) -> None:
             "step_seconds": [r.wall for r in strategy.stage_stats.get(0, [])],
         }
         (out / "losses.json").write_text(json.dumps(result))
+
+
+def _checkpoint_plugins(kind: str) -> list:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_async_pp.checkpoint import ShardedCheckpointIO
+
+    return {"sync": [], "async_save": [ShardedCheckpointIO(async_save=True)], "lightning_async": [AsyncCheckpointIO()]}[
+        kind
+    ]
 
 
 if __name__ == "__main__":
