@@ -17,39 +17,21 @@ keys: ``EarlyStopping`` raises there, and a ``ModelCheckpoint`` sends the last s
   callback metrics. Validation and testing are synchronous already (the pipeline is flushed before them); an
   epoch end costs one wait per epoch.
 
-The stop flag carries a SIGTERM (see :func:`install_sigterm_stop` below) from any rank to every rank: a rank
-sets its flag in the message of the step it is at; with several replicas the flags first meet in a
-non-blocking all-reduce over the replicas of each stage (a group of D ranks), read a step later, and enter
-the pipeline message from there, so every pipeline's message ``j`` carries the same flags. Every rank reads
-message ``j`` by the end of step ``j + 1`` and, if a flag is set, stops before step ``j + 2``: all ranks at the
-same step.
+The stop flag carries a SIGTERM or a requeue signal (see :mod:`~lightning_async_pp.strategy.signals`) from any
+rank to every rank: a rank sets its flag (a small code; the largest raised wins) in the message of the step it
+is at; with several replicas the flags first meet in a non-blocking all-reduce (maximum) over the replicas of
+each stage (a group of D ranks), read a step later, and enter the pipeline message from there, so every
+pipeline's message ``j`` carries the same flags. Every rank reads message ``j`` by the end of step ``j + 1``
+and, if a flag is set, stops before step ``j + 2``: all ranks at the same step.
 
 Decisions follow the metrics: :func:`reduce_decision` lets only the last stages vote (every rank still joins
 the one all-reduce), so a stage holding a copy that is a step old never changes what ``EarlyStopping`` or
 ``ModelCheckpoint`` decide, and the run stops and saves exactly where one device would.
-
-A SIGTERM on any rank stops every rank of the job before the same training step.
-
-Lightning handles a SIGTERM with a blocking broadcast of rank 0's flag over the default group before every
-training step (a barrier per step, on the whole job), a broadcast inside the signal handler itself, and a
-check of the local flag after each step that stops the receiving rank alone. In a pipeline the ranks are
-up to a step apart, so a rank that stops on its own leaves its neighbours waiting for its transfers, and
-a signal that reaches only one rank (not rank 0) would not stop the others at all.
-
-:func:`install` replaces that: the signal handler only records the signal on the rank that received it; the
-flag travels in the per-step message of :class:`~lightning_async_pp.strategy.metrics.MetricsRelay` (small groups, one
-step late, see there), which tells every rank the same step to stop before. There every rank sets
-``trainer.received_sigterm`` and raises Lightning's ``SIGTERMException``, so ``on_exception`` callbacks run on
-every rank at the same ``global_step`` (two steps after the signal with one pipeline, three with replicas).
-The flag is sampled at the end of each training step: a signal during validation stops training two
-steps after it resumes, and one that arrives after the last step is dropped (the run ends normally).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import signal
 import struct
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -60,11 +42,10 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from typing_extensions import override
 
-__all__ = ["MetricsRelay", "install_sigterm_stop", "reduce_decision"]
+__all__ = ["MetricsRelay", "reduce_decision"]
 
 # What a ModelCheckpoint knows about the checkpoints it kept; made the last stage's on every rank at the end of fit.
 CHECKPOINT_STATE = (
@@ -181,8 +162,11 @@ class MetricsRelay:
         self.posted = 0
         self.stop_before: int | None = None
         """The step (count of training steps run) before which every rank stops; ``None``: no stop requested."""
-        self.stop_requested: Callable[[], bool] = lambda: False
-        """This rank's stop flag, sampled once per step (set by :func:`lightning_async_pp.strategy.metrics.install`)."""
+        self.stop_reason = 0
+        """The largest stop code any rank raised in the message that set :attr:`stop_before` (0: none)."""
+        self.stop_requested: Callable[[], int] = lambda: 0
+        """This rank's stop code (0: none, at most 255), sampled once per step (set by
+        :func:`lightning_async_pp.strategy.signals.install_signal_stop`)."""
         self.callback = _RelayCallback(self)
 
     @classmethod
@@ -248,25 +232,25 @@ class MetricsRelay:
             self._replica_flag = None
         self._staged = None
 
-    def _stop_flag(self) -> bool:
-        """The flag this rank puts into the pipeline message: its own, or with replicas what every replica of its
-        stage raised a step earlier (the same value on each of them)."""
-        local = bool(self.stop_requested())
+    def _stop_flag(self) -> int:
+        """The code this rank puts into the pipeline message: its own, or with replicas the largest that the replicas
+        of its stage raised a step earlier (the same value on each of them)."""
+        local = int(self.stop_requested())
         if self.replica_group is None:
             return local
-        agreed = False
+        agreed = 0
         if self._replica_flag is not None:
             work, flag = self._replica_flag
             work.wait()
-            agreed = bool(flag.numpy()[0])
-        flag = torch.tensor([int(local)], dtype=torch.uint8)
+            agreed = int(flag.numpy()[0])
+        flag = torch.tensor([local], dtype=torch.uint8)
         self._replica_flag = (
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group, async_op=True),
             flag,
         )
         return agreed
 
-    def _post(self, payload: bytes | None, stop: bool) -> None:
+    def _post(self, payload: bytes | None, stop: int) -> None:
         flags = len(self.ranks)
         buffer = torch.zeros(self.capacity, dtype=torch.uint8)
         if payload is not None:
@@ -288,8 +272,10 @@ class MetricsRelay:
         work.wait()
         data = buffer.numpy().tobytes()
         flags = len(self.ranks)
-        if any(data[_HEADER.size : _HEADER.size + flags]) and self.stop_before is None:
+        codes = data[_HEADER.size : _HEADER.size + flags]
+        if any(codes) and self.stop_before is None:
             self.stop_before = index + 2  # every rank has read message `index` by the end of step `index + 1`
+            self.stop_reason = max(codes)
         if self.is_source:
             return
         length, self.capacity = _HEADER.unpack_from(data)
@@ -351,49 +337,3 @@ class _RelayCallback(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.relay.finish(trainer)
         self.relay.share_checkpoint_state(trainer)
-
-
-log = logging.getLogger(__name__)
-
-
-def install_sigterm_stop(trainer: Trainer, relay: MetricsRelay) -> None:
-    """Route this rank's SIGTERM through ``relay`` and stop where ``relay`` agrees to stop.
-
-    Replaces the epoch loop's per-step ``_broadcast_sigterm_tensor`` (no collective any more) and, at the first
-    step (Lightning registers its handlers after the strategy's setup), Lightning's SIGTERM notifier by one
-    that only records the signal.
-
-    Args:
-        trainer: The trainer whose fit loop is about to run.
-        relay: The relay whose per-step message carries the flag.
-    """
-    received = [False]
-    connector = trainer._signal_connector
-
-    def notify(signum: int, _: Any) -> None:
-        log.info(f"Received SIGTERM: {signum}; every rank stops before the same step")
-        if not received[0] and trainer.strategy.launcher is not None:
-            trainer.strategy.launcher.kill(signum)  # as Lightning: pass it on to the processes it started
-        received[0] = True
-
-    def stop_where_every_rank_stops() -> None:
-        if not stop_where_every_rank_stops.replaced:
-            _replace_notifier(connector._sigterm_notifier_fn, notify)
-            stop_where_every_rank_stops.replaced = True
-        if relay.should_stop():
-            connector.received_sigterm = True
-            raise SIGTERMException()
-
-    stop_where_every_rank_stops.replaced = False
-    relay.stop_requested = lambda: received[0]
-    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = stop_where_every_rank_stops
-
-
-def _replace_notifier(notifier: Callable, replacement: Callable) -> None:
-    """Swap Lightning's notifier for ``replacement`` in the installed SIGTERM handler (a list of handlers)."""
-    handler = signal.getsignal(signal.SIGTERM)
-    handlers = getattr(handler, "signal_handlers", None)
-    if isinstance(handlers, list):
-        handlers[:] = [replacement if h == notifier else h for h in handlers]
-    elif handler == notifier:
-        signal.signal(signal.SIGTERM, replacement)

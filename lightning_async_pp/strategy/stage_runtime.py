@@ -22,8 +22,8 @@ from lightning_async_pp.module import pipeline_evaluation_step
 from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import write_chrome_trace
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step, local_seed
-from lightning_async_pp.strategy.metrics import install_sigterm_stop
 from lightning_async_pp.strategy.placement import place_stage
+from lightning_async_pp.strategy.signals import install_signal_stop
 from lightning_async_pp.strategy.stage_stats import StageStatistics
 from lightning_async_pp.strategy.topology import ProcessGroups
 
@@ -73,7 +73,7 @@ def start_training(strategy: Any, trainer: Trainer) -> None:
     if len(optimizers) == 1:  # otherwise the runtime refuses the count with its own message
         strategy._placement.check_tied_updates(strategy.stage, optimizers[0])
     strategy._runtime = training_runtime(strategy, trainer)
-    install_sigterm_stop(trainer, strategy._groups.metrics)  # the flag rides on the metrics relay
+    install_signal_stop(trainer, strategy._groups.metrics)  # the request rides on the metrics relay
     # Stages apply their first update inside a later step, after Lightning has stepped the scheduler;
     # each update uses the learning rate of its own step (see StageRuntime). torch warns about a scheduler
     # stepped before its optimizer unless the optimizer has stepped; it will, so say so on this optimizer

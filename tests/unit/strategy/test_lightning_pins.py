@@ -68,7 +68,7 @@ def test_sigterm_broadcast_is_a_replaceable_method_called_every_step():
 
 
 def test_sigterm_notifier_is_a_method_in_a_list_of_handlers():
-    # lightning_async_pp.strategy.metrics swaps the connector's notifier (which would broadcast inside the handler and
+    # lightning_async_pp.strategy.signals swaps the connector's notifier (which would broadcast inside the handler and
     # set the flag every rank checks after its step) for one that only records the signal, in the handler
     # list Lightning installs, and sets `received_sigterm` on the connector where every rank stops.
     from lightning.pytorch import Trainer
@@ -80,6 +80,27 @@ def test_sigterm_notifier_is_a_method_in_a_list_of_handlers():
     assert _HandlersCompose([print]).signal_handlers == [print]
     assert "self.received_sigterm = True" in inspect.getsource(_SignalConnector._sigterm_notifier_fn)
     assert "self._signal_connector.received_sigterm" in inspect.getsource(Trainer.received_sigterm.fget)
+
+
+def test_slurm_requeue_handler_is_a_method_in_a_list_of_handlers():
+    # lightning_async_pp.strategy.signals swaps Lightning's SLURM requeue handler (which saves a checkpoint from
+    # inside the signal handler) for one that only records the signal, in the list Lightning installs for the
+    # environment's requeue signal; a job started again resumes from `hpc_ckpt_{n}.ckpt` when `ckpt_path` is None.
+    import signal
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    source = inspect.getsource(_SignalConnector.register_signal_handlers)
+    assert "sigusr_handlers.append(self._slurm_sigusr_handler_fn)" in source
+    assert "environment.requeue_signal" in source and "_HandlersCompose(sigusr_handlers)" in source
+    assert '["scontrol", "requeue", job_id]' in inspect.getsource(_SignalConnector._slurm_sigusr_handler_fn)
+    environment = SLURMEnvironment()
+    assert environment.auto_requeue is True and environment.requeue_signal == signal.SIGUSR1
+    resume = inspect.getsource(_CheckpointConnector._parse_ckpt_path)
+    assert "ckpt_path is None and SLURMEnvironment.detect() and self._hpc_resume_path is not None" in resume
+    assert 'f"hpc_ckpt_{max_version}.ckpt"' in inspect.getsource(_CheckpointConnector._hpc_resume_path.fget)
 
 
 def test_hook_callers():
