@@ -45,7 +45,7 @@ from lightning_async_pp.strategy.metrics import MetricsRelay
 
 __all__ = ["REQUEUE", "STOP", "checkpoint_and_requeue", "hpc_save_path", "install_signal_stop", "requeue_slurm_job"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning.pytorch.strategies.async_pp")
 
 STOP = 1
 """The relay's stop code of a SIGTERM: stop."""
