@@ -9,6 +9,10 @@ Only floating-point tensors that require grad on the sending side get a gradient
 masks and anything computed without grad travel forward only. The backward message holds exactly those
 gradients, in order.
 
+NCCL has no 16-bit integer type, so an ``int16`` tensor travels widened to ``int32`` and is narrowed back on
+arrival (exact: every ``int16`` value is an ``int32``); its message always carries a spec, even for a plain
+tensor, so that the receiver knows which tensors to narrow.
+
 The spec is decoded once per negotiated layout (the receiver reads it when the layout was just learnt, at a
 run start or for an evaluation batch), so the steady state reads nothing on the host; the sender checks
 that the structure does not change while the layout stays the same.
@@ -23,7 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_KINDS = ("tuple", "list", "dict")
+_KINDS = ("tuple", "list", "dict", "tensor")
+# dtypes NCCL cannot transfer, and the wider dtype that holds each of their values exactly.
+WIDENED = {torch.int16: torch.int32}
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,14 @@ class Spec:
         kind: ``"tensor"``, ``"tuple"``, ``"list"`` or ``"dict"``.
         keys: A dict's keys, in order.
         grads: Per tensor, whether it gets a gradient back (floating point and requiring grad when sent).
+        widened: Per tensor, whether it travels in a wider dtype (:data:`WIDENED`) and is narrowed back on
+            arrival; empty when none does.
     """
 
     kind: str
     keys: tuple[str, ...] = ()
     grads: tuple[bool, ...] = ()
+    widened: tuple[bool, ...] = ()
 
 
 def flatten(value: Any) -> tuple[list[Tensor], Spec]:
@@ -70,8 +79,10 @@ def unflatten(tensors: Sequence[Tensor], spec: Spec) -> Any:
 
 
 def encode(spec: Spec) -> Tensor:
-    """``spec`` as an int64 CPU tensor: kind, tensor count, grad flags, then each key's length and bytes."""
-    values = [_KINDS.index(spec.kind), len(spec.grads), *map(int, spec.grads)]
+    """``spec`` as an int64 CPU tensor: kind, tensor count, per tensor its flags (bit 0: gets a gradient,
+    bit 1: widened), then each key's length and bytes."""
+    widened = spec.widened or (False,) * len(spec.grads)
+    values = [_KINDS.index(spec.kind), len(spec.grads), *(int(g) | int(w) << 1 for g, w in zip(spec.grads, widened))]
     for key in spec.keys:
         data = key.encode("utf-8")
         values += [len(data), *data]
@@ -81,19 +92,25 @@ def encode(spec: Spec) -> Tensor:
 def decode(tensor: Tensor) -> Spec:
     values = tensor.tolist()
     kind, count = _KINDS[values[0]], values[1]
-    grads = tuple(bool(v) for v in values[2 : 2 + count])
+    flags = values[2 : 2 + count]
+    grads = tuple(bool(v & 1) for v in flags)
+    widened = tuple(bool(v & 2) for v in flags) if any(v & 2 for v in flags) else ()
     keys, position = [], 2 + count
     while position < len(values):
         length = values[position]
         keys.append(bytes(values[position + 1 : position + 1 + length]).decode("utf-8"))
         position += 1 + length
-    return Spec(kind, tuple(keys), grads)
+    return Spec(kind, tuple(keys), grads, widened)
 
 
 def message(value: Any) -> tuple[list[Tensor], Spec]:
     """The tensors to send for ``value`` (a plain tensor alone, otherwise followed by its encoded spec)."""
     tensors, spec = flatten(value)
-    if spec.kind == "tensor":
+    widened = tuple(t.dtype in WIDENED for t in tensors)
+    if any(widened):
+        spec = Spec(spec.kind, spec.keys, spec.grads, widened)
+        tensors = [t.to(WIDENED[t.dtype]) if w else t for t, w in zip(tensors, widened)]
+    elif spec.kind == "tensor":
         return tensors, spec
     return [*tensors, encode(spec).to(tensors[0].device)], spec
 
@@ -104,7 +121,11 @@ def read_message(tensors: Sequence[Tensor], known: Spec | None) -> tuple[Any, Sp
         spec = Spec("tensor", grads=(tensors[0].is_floating_point(),))
         return tensors[0], spec
     spec = known if known is not None else decode(tensors[-1])
-    return unflatten(list(tensors[:-1]), spec), spec
+    received = list(tensors[:-1])
+    if spec.widened:
+        narrow = {wide: narrow for narrow, wide in WIDENED.items()}
+        received = [t.to(narrow[t.dtype]) if w else t for t, w in zip(received, spec.widened)]
+    return unflatten(received, spec), spec
 
 
 def with_grad_inputs(value: Any, spec: Spec) -> Any:

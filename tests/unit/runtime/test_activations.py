@@ -10,6 +10,7 @@ import torch
 
 from lightning_async_pp.runtime import activations
 from lightning_async_pp.runtime.activations import Spec
+from lightning_async_pp.runtime.comm import layout_of
 from tests.fixtures.helpers import run_script
 
 RUNNER = "tests.fixtures.tuple_model"
@@ -42,6 +43,24 @@ def test_a_known_spec_is_not_read_again():
     tensors[-1] = torch.full_like(tensors[-1], -1)  # garbage: must not be decoded
     rebuilt, same = activations.read_message(tensors, known=spec)
     assert same is spec and isinstance(rebuilt, list) and len(rebuilt) == 2
+
+
+def test_int16_travels_widened_and_arrives_exactly_as_sent():
+    ids = torch.tensor([[-32768, -1, 0, 1, 32767]], dtype=torch.int16)
+    for value, wire in ((ids, [torch.int32]), ({"h": torch.randn(1, 5), "ids": ids}, [torch.float32, torch.int32])):
+        tensors, spec = activations.message(value)
+        # What the link carries: no int16 (NCCL has none), and a spec even for a plain tensor.
+        assert [t.dtype for t in tensors[:-1]] == wire and tensors[-1].dtype == torch.int64
+        layout_of(tensors)
+        for known in (None, spec):
+            rebuilt, decoded = activations.read_message(tensors, known=known)
+            got = rebuilt if isinstance(rebuilt, torch.Tensor) else rebuilt["ids"]
+            assert decoded == spec and got.dtype == torch.int16 and torch.equal(got, ids)
+
+
+def test_a_link_refuses_int16_itself():
+    with pytest.raises(ValueError, match="Cannot send a torch.int16 tensor"):
+        layout_of([torch.zeros(2, dtype=torch.int16)])
 
 
 @pytest.mark.parametrize(
