@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _all_gather_ddp_if_available,
@@ -160,9 +161,12 @@ class PipelineProcesses(ParallelStrategy):
 
     def gather_stages(self, obj: Any) -> list[Any] | None:
         """Collect ``obj`` from every stage of replica 0 on global rank 0, in stage order (a collective: every
-        rank calls it). Replicas hold identical stages. Returns ``None`` on the other ranks."""
+        rank calls it), its tensors moved to the CPU. Replicas hold identical stages. Returns ``None`` on the
+        other ranks."""
         gathered = [None] * self.num_workers if self.is_global_zero else None
-        dist.gather_object(obj, gathered, dst=0)
+        # A pickled CUDA tensor is rebuilt on the sender's device index: on rank 0 that would allocate on
+        # every other stage's GPU (and open a CUDA context there). Tensors travel as CPU tensors.
+        dist.gather_object(move_data_to_device(obj, "cpu"), gathered, dst=0)
         if not self.is_global_zero:
             return None
         return [gathered[self.rank_of(stage, 0)] for stage in range(self.num_stages)]
@@ -206,9 +210,10 @@ class PipelineProcesses(ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
-        holder = [obj]
+        # Through the host: a pickled CUDA tensor would arrive on the sender's device index.
+        holder = [move_data_to_device(obj, "cpu")]
         dist.broadcast_object_list(holder, src)
-        return holder[0]
+        return move_data_to_device(holder[0], self.root_device)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
