@@ -51,6 +51,7 @@ from lightning_async_pp.strategy.lifecycle import (
 )
 from lightning_async_pp.strategy.placement import MetaLayers, StagePlacement, layer_costs, partition_layers
 from lightning_async_pp.strategy.processes import PipelineProcesses
+from lightning_async_pp.strategy.progress import show_epoch_without_total
 from lightning_async_pp.strategy.routing import report_routing
 from lightning_async_pp.strategy.single_device import SingleDevice
 from lightning_async_pp.strategy.stage_runtime import (
@@ -61,6 +62,7 @@ from lightning_async_pp.strategy.stage_runtime import (
     write_trace,
 )
 from lightning_async_pp.strategy.stage_stats import StageStatistics
+from lightning_async_pp.strategy.summary import use_pipeline_summary
 
 # A child of Lightning's logger, so rank 0's messages are shown with Lightning's own.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
@@ -246,6 +248,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
             )
         module = self.lightning_module
         self.check_model(module)
+        use_pipeline_summary(trainer)  # one table of every stage, not this rank's stage only
+        show_epoch_without_total(trainer)
         if self.multi_process:
             setup_stage(self, trainer)
         else:

@@ -106,6 +106,7 @@ def main(argv=None) -> None:
     parser.add_argument("--split-points", type=str, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--tie-weights", action="store_true")
+    parser.add_argument("--model-summary", action="store_true", help="Lightning's default model summary callback")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--ckpt-path", default=None)
@@ -179,7 +180,7 @@ def _run(args: argparse.Namespace) -> None:
         logger=False,
         enable_checkpointing=bool(args.checkpoint_every),
         enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=args.model_summary,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=callbacks,
