@@ -18,12 +18,21 @@ from lightning_async_pp.schedule.generate import (
     step_actions,
 )
 from lightning_async_pp.schedule.ir import SCHEDULES, Action, Op, validate, weight_buffer, weight_version
-from lightning_async_pp.schedule.transfers import PostingPlan, check_transfers, host_program, posting_plan
+from lightning_async_pp.schedule.transfers import (
+    FLUSH,
+    Collectives,
+    PostingPlan,
+    check_transfers,
+    host_program,
+    posting_plan,
+)
 from lightning_async_pp.schedule.verify import check, liveness_trace
 
 __all__ = [
+    "FLUSH",
     "SCHEDULES",
     "Action",
+    "Collectives",
     "Op",
     "PostingPlan",
     "Schedule",

@@ -4,6 +4,12 @@
 receives of one segment of actions (the sends are posted at their action), :func:`host_program` spells
 out what one stage's host then does, segment after segment, and :func:`check_transfers` runs the
 stages' programs against each other under a model of NCCL's queues to show they cannot deadlock.
+
+Besides its transfers, a stage's ``UPDATE`` may post collectives (:class:`Collectives`): the all-reduce of
+the gradient over the stage's replicas (waited at once), and the clipping norm's or the tied gradients'
+all-reduce, which stays pending across segments until the weight version it produces is first needed. The
+model checks those too, each on its own communicator (its own queue), or with every operation of a stage on
+one queue, as ``CUDA_DEVICE_MAX_CONNECTIONS=1`` serialises a device's streams (``one_queue``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 
 from lightning_async_pp.schedule.ir import Action, Op
 
-__all__ = ["PostingPlan", "check_transfers", "host_program", "posting_plan"]
+__all__ = ["FLUSH", "Collectives", "PostingPlan", "check_transfers", "host_program", "posting_plan"]
 
 _PREV_LINK = (Op.RECV_F, Op.SEND_B)  # operations on the link with stage - 1
 _NEXT_LINK = (Op.SEND_F, Op.RECV_B)  # operations on the link with stage + 1
@@ -70,89 +76,167 @@ def posting_plan(actions: Sequence[Action], eager: bool = False) -> PostingPlan:
     return PostingPlan(frozenset(start), tuple(post_next))
 
 
-# A transfer operation in the model: (role "S"/"R", link (lower stage, upper stage), message), the message
-# being (direction "F"/"B", step, micro-batch).
-_TransferOp = tuple[str, tuple[int, int], tuple[str, int, int]]
+# An operation in the model: (role, group, message). A transfer: role "S"/"R", group its link (lower rank,
+# upper rank), message (direction "F"/"B", step, micro-batch). A collective: role "C", group (communicator
+# name, its ranks), message (name, step, index); every participant posts the same tuple.
+_TransferOp = tuple[str, tuple, tuple[str, int, int]]
+
+FLUSH = "flush"
+"""An item of :func:`host_program`'s segments: the stage waits for every pending collective, as
+:meth:`StageRuntime.drain <lightning_async_pp.runtime.stage.StageRuntime.drain>` does after its actions."""
 
 
-def _transfer_op(a: Action, role: str | None = None) -> _TransferOp:
+@dataclass(frozen=True)
+class Collectives:
+    """The collectives a stage's ``UPDATE`` posts besides its transfers (``runtime.updates.UpdateDriver``).
+
+    In the model, stage ``s`` of replica ``r`` is rank ``r * num_stages + s``.
+
+    Args:
+        num_stages: Stages per pipeline.
+        replicas: Data-parallel replicas. With more than one, each update first all-reduces the gradient over
+            the stage's replicas and the stage's compute waits for it (a blocking ``all_reduce``).
+        clip: Gradient clipping: each update posts one all-reduce over its pipeline's stages (the squared norm,
+            and the tied gradients with it), pending until the version the update produces is first needed
+            (a forward on it) or the pipeline drains (:data:`FLUSH`).
+        ties: Per tied parameter, the stages holding a copy. Without ``clip``, a holder's update posts one
+            all-reduce per tie over its replica's holders (a communicator per tie), pending like the norm.
+        deferred: ``False``: wait for those all-reduces right after posting them (a synchronous clipping),
+            to test the model.
+    """
+
+    num_stages: int
+    replicas: int = 1
+    clip: bool = False
+    ties: tuple[tuple[int, ...], ...] = ()
+    deferred: bool = True
+
+    def at_update(self, stage: int, step: int, replica: int) -> tuple[list[_TransferOp], list[_TransferOp]]:
+        """What ``UPDATE(step)`` of ``stage`` posts: the collectives waited at once, and those left pending."""
+        base = replica * self.num_stages
+        now: list[_TransferOp] = []
+        later: list[_TransferOp] = []
+        if self.replicas > 1:
+            ranks = tuple(r * self.num_stages + stage for r in range(self.replicas))
+            now.append(("C", ("data", ranks), ("data", step, 0)))
+        if self.clip and self.num_stages > 1:
+            later.append(("C", ("norm", tuple(base + s for s in range(self.num_stages))), ("norm", step, 0)))
+        elif not self.clip:
+            for index, holders in enumerate(self.ties):
+                if stage in holders:
+                    group = (f"tie {index}", tuple(base + s for s in holders))
+                    later.append(("C", group, ("tie", step, index)))
+        return (now, later) if self.deferred else (now + later, [])
+
+
+def _transfer_op(a: Action, role: str | None = None, offset: int = 0) -> _TransferOp:
     peer = a.peer
     assert peer is not None
     forward = a.op in (Op.SEND_F, Op.RECV_F)
     if role is None:
         role = "S" if a.op in (Op.SEND_F, Op.SEND_B) else "R"
-    return (role, (min(a.stage, peer), max(a.stage, peer)), ("F" if forward else "B", a.step, a.microbatch))
+    link = (min(a.stage, peer) + offset, max(a.stage, peer) + offset)
+    return (role, link, ("F" if forward else "B", a.step, a.microbatch))
 
 
-def host_program(segments: Iterable[Sequence[Action]], eager: bool = False) -> list[tuple]:
+def host_program(
+    segments: Iterable[Sequence[Action] | str],
+    eager: bool = False,
+    collectives: Collectives | None = None,
+    replica: int = 0,
+) -> list[tuple]:
     """What one stage's host does with transfers, segment after segment, under :func:`posting_plan`.
 
-    Items are ``("post", ops)`` (one :func:`torch.distributed.batch_isend_irecv` call) and
-    ``("wait", op)`` (waiting for a receive before the compute that needs it). A wait on NCCL does not
-    block the host but orders the compute stream behind the transfer, and every later send or receive
-    is ordered behind that compute, so blocking the host at the wait models the same dependencies.
+    Items are ``("post", ops)`` (one :func:`torch.distributed.batch_isend_irecv` call, or one collective) and
+    ``("wait", op)`` (waiting for a receive or a collective before the compute that needs it). A wait on NCCL
+    does not block the host but orders the compute stream behind the operation, and every later send or
+    receive is ordered behind that compute, so blocking the host at the wait models the same dependencies.
 
     Args:
-        segments: the segments of one stage, in the order it executes them.
+        segments: the segments of one stage, in the order it executes them; :data:`FLUSH` where it drains.
         eager: use the eager plan (see :func:`posting_plan`).
+        collectives: what each ``UPDATE`` posts besides transfers (``None``: nothing).
+        replica: the stage's replica (its rank in the model is ``replica * num_stages + stage``).
     """
+    offset = replica * collectives.num_stages if collectives is not None else 0
     items: list[tuple] = []
+    pending: list[tuple[int, _TransferOp]] = []  # collectives posted at an UPDATE: (version produced, op)
     for actions in segments:
+        if isinstance(actions, str):
+            assert actions == FLUSH, actions
+            items += [("wait", op) for _, op in pending]
+            pending.clear()
+            continue
         plan = posting_plan(actions, eager)
-        pending = {op: [a for a in actions if a.op is op] for op in _RECEIVES}
+        queued = {op: [a for a in actions if a.op is op] for op in _RECEIVES}
         posted: dict[Op, _TransferOp] = {}
 
         def next_receive(op: Op) -> list[_TransferOp]:
-            if op in posted or not pending[op]:
+            if op in posted or not queued[op]:
                 return []
-            posted[op] = _transfer_op(pending[op].pop(0))
+            posted[op] = _transfer_op(queued[op].pop(0), offset=offset)
             return [posted[op]]
 
         for op in sorted(plan.start):
             items.append(("post", tuple(next_receive(op))))
         for k, a in enumerate(actions):
+            if a.op is Op.UPDATE and collectives is not None:
+                now, later = collectives.at_update(a.stage, a.step, replica)
+                for op in now:
+                    items += [("post", (op,)), ("wait", op)]
+                items += [("post", (op,)) for op in later]
+                pending += [(a.version, op) for op in later]
+            elif a.op is Op.FORWARD and pending and pending[0][0] <= a.version:
+                items += [("wait", op) for version, op in pending if version <= a.version]
+                pending = [(version, op) for version, op in pending if version > a.version]
             if not a.is_comm:
                 continue
             receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
             if a.op in _RECEIVES:
                 if a.op not in posted:
                     items.append(("post", tuple(next_receive(a.op))))
-                expected = _transfer_op(a)
+                expected = _transfer_op(a, offset=offset)
                 if posted.pop(a.op) != expected:
                     raise AssertionError(f"stage {a.stage}: receives posted out of order at {a}")
                 items.append(("wait", expected))
                 if plan.post_next[k] and (more := next_receive(receive_op)):
                     items.append(("post", tuple(more)))
             else:
-                batch = [_transfer_op(a)]
+                batch = [_transfer_op(a, offset=offset)]
                 if plan.post_next[k]:
                     batch += next_receive(receive_op)
                 items.append(("post", tuple(batch)))
         if posted:
             raise AssertionError(f"receives {sorted(posted.values())} stay posted after the segment")
-    return items
+    return items + [("wait", op) for _, op in pending]
 
 
-def check_transfers(programs: Sequence[Sequence[tuple]], rendezvous: bool = True, per_link: bool = True) -> None:
+def check_transfers(
+    programs: Sequence[Sequence[tuple]], rendezvous: bool = True, per_link: bool = True, one_queue: bool = False
+) -> None:
     """Run the stages' :func:`host_program` against each other under NCCL's point-to-point semantics.
 
     Model: each stage posts batches on a queue per link (``per_link=False``: one queue per stage, as
-    when all links share one communicator); a queue starts its next batch only once the previous one has
-    completed, and a batch completes when each of its operations has. A receive completes once the
-    peer's matching send has started (its batch is at the head of the peer's queue); with ``rendezvous``
-    a send also waits for the matching receive to start (large NCCL messages do), otherwise it completes
-    as soon as it starts. A stage's host blocks at a wait until the receive's batch has completed.
+    when all links share one communicator) and a queue per collective's communicator; a queue starts its
+    next batch only once the previous one has completed, and a batch completes when each of its operations
+    has. A receive completes once the peer's matching send has started (its batch is at the head of the
+    peer's queue); with ``rendezvous`` a send also waits for the matching receive to start (large NCCL
+    messages do), otherwise it completes as soon as it starts. A collective completes once every
+    participant's has started. A stage's host blocks at a wait until the operation's batch has completed.
 
     Args:
-        programs: one :func:`host_program` per stage, in stage order.
+        programs: one :func:`host_program` per rank, in rank order.
         rendezvous: whether a send waits for its receive to start.
         per_link: one queue per link and stage (separate communicators) rather than one per stage.
+        one_queue: every operation of a stage, transfers and collectives, on one queue in posting order:
+            with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` a device's streams share one hardware queue, so work
+            issued after an operation that waits for a peer waits too.
 
     Raises:
         AssertionError: naming where each stage is stuck if the programs deadlock, or if anything is left
             posted at the end.
     """
-    model = _NcclModel(rendezvous, per_link)
+    model = _NcclModel(rendezvous, per_link, one_queue)
     pc = [0] * len(programs)
     progress = True
     while progress:
@@ -177,13 +261,16 @@ class _NcclModel:
 
     rendezvous: bool
     per_link: bool
+    one_queue: bool = False
     queues: dict[tuple, collections.deque] = field(default_factory=lambda: collections.defaultdict(collections.deque))
     where: dict[tuple, tuple] = field(default_factory=dict)  # (stage, op) -> its batch
     done: set[tuple] = field(default_factory=set)  # (stage, op) completed
     finished: set[int] = field(default_factory=set)  # ids of completed batches
 
     def queue_of(self, stage: int, op: _TransferOp) -> tuple:
-        return (stage, op[1]) if self.per_link else (stage,)
+        if self.one_queue:
+            return (stage,)
+        return (stage, op[1]) if self.per_link or op[0] == "C" else (stage,)
 
     def started(self, stage: int, op: _TransferOp) -> bool:
         batch = self.where.get((stage, op))
@@ -218,14 +305,7 @@ class _NcclModel:
                 batch = queue[0]
                 s, ops = batch[1], batch[2]
                 for op in ops:
-                    if (s, op) in self.done:
-                        continue
-                    peer, match = _peer_of(s, op)
-                    if (
-                        (op[0] == "S" and not self.rendezvous)
-                        or self.started(peer, match)
-                        or (peer, match) in self.done
-                    ):
+                    if (s, op) not in self.done and self.can_complete(s, op):
                         self.done.add((s, op))
                 if not all((s, op) in self.done for op in ops):
                     break
@@ -233,6 +313,15 @@ class _NcclModel:
                 self.finished.add(id(batch))
                 progress = True
         return progress
+
+    def can_complete(self, s: int, op: _TransferOp) -> bool:
+        """Whether ``op``, started on ``s``, completes: its peers have started (or finished) their side."""
+        if op[0] == "C":
+            return all(self.started(p, op) or (p, op) in self.done for p in op[1][1] if p != s)
+        if op[0] == "S" and not self.rendezvous:
+            return True
+        peer, match = _peer_of(s, op)
+        return self.started(peer, match) or (peer, match) in self.done
 
 
 def _peer_of(stage: int, op: _TransferOp) -> tuple[int, _TransferOp]:

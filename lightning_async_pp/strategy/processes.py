@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_async_pp.strategy.device_sync import warn_unsafe_device_settings
 from lightning_async_pp.strategy.metrics import reduce_decision
 from lightning_async_pp.strategy.topology import PipelineDims, ProcessGroups, init_process_group
 from lightning_async_pp.strategy.topology import barrier as distributed_barrier
@@ -148,6 +149,7 @@ class PipelineProcesses(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
         backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self.process_group_backend = backend
+        warn_unsafe_device_settings(backend, self.multi_process)
         if not _distributed_is_initialized():
             init_process_group(
                 backend,

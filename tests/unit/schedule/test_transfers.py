@@ -9,13 +9,19 @@ the runtime follows (:func:`host_program` over :func:`posting_plan`), and the la
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
+from lightning_async_pp.runtime import updates
 from lightning_async_pp.runtime.stage import StageRuntime
+from lightning_async_pp.runtime.ties import Tie, TiedGradients
 from lightning_async_pp.schedule import (
+    FLUSH,
     SCHEDULES,
+    Collectives,
     check_transfers,
     drain_actions,
     evaluation_actions,
@@ -28,18 +34,25 @@ RUNS = [(0, 3), (3, 5)]
 RESUMED = (7, 9)
 
 
-def segments(kind: str, P: int, M: int, stage: int, runs, evaluations: int = 2):
+def segments(kind: str, P: int, M: int, stage: int, runs, evaluations: int = 2, sync_each_step: bool = False):
     out = []
     for start, end in runs:
         for step in range(start, end):
             out.append(step_actions(kind, P, M, stage, step, run_start=start))
-        out.append(drain_actions(kind, P, M, stage, end - 1, run_start=start))
+            if sync_each_step:
+                out.append(FLUSH)
+        out += [drain_actions(kind, P, M, stage, end - 1, run_start=start), FLUSH]
         out += [evaluation_actions(P, stage, index) for index in range(evaluations)]
     return out
 
 
-def programs(kind: str, P: int, M: int, eager: bool = False, runs=(*RUNS, RESUMED)):
-    return [host_program(segments(kind, P, M, s, runs), eager=eager) for s in range(P)]
+def programs(kind: str, P: int, M: int, eager: bool = False, runs=(*RUNS, RESUMED), collectives=None, sync=False):
+    replicas = collectives.replicas if collectives is not None else 1
+    return [
+        host_program(segments(kind, P, M, s, runs, sync_each_step=sync), eager, collectives, replica)
+        for replica in range(replicas)
+        for s in range(P)
+    ]
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)
@@ -85,6 +98,58 @@ def test_model_catches_crossed_sends():
     check_transfers([batched_a, batched_b], rendezvous=True)  # batching is the fix
 
 
+def pending_collectives(P: int) -> dict[str, Collectives]:
+    """The runtime's configurations whose all-reduces stay pending across segments."""
+    return {
+        "clipping": Collectives(P, clip=True),
+        "ties": Collectives(P, ties=((0, P - 1), (0, 1))),
+        "replicas, clipping": Collectives(P, replicas=2, clip=True),
+        "replicas, ties": Collectives(P, replicas=2, ties=((0, P - 1),)),
+    }
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("P", [2, 3, 4, 5, *(pytest.param(P, marks=pytest.mark.slow) for P in range(6, 13))])
+def test_pending_collectives_never_deadlock_under_nccl_semantics(kind, P):
+    """The clipping norm's, the tied gradients' and the replicas' all-reduces, each on its own communicator,
+    posted at UPDATE and waited when their version is first needed or at the drain (as UpdateDriver does)."""
+    for collectives in pending_collectives(P).values():
+        for M in (P, 2 * P):
+            progs = programs(kind, P, M, collectives=collectives)
+            for per_link in (True, False):
+                check_transfers(progs, rendezvous=True, per_link=per_link)
+            check_transfers(progs, rendezvous=False)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_waiting_for_a_pending_all_reduce_too_early_deadlocks_2bw(P):
+    """What the runtime avoids, and what a user must not add (docs/troubleshooting.md): waiting for the norm
+    right after posting it (a synchronous clipping), a device-wide synchronization after each step while it
+    is pending (``torch.cuda.synchronize`` in a callback, ``torch.cuda.empty_cache``), and one hardware
+    queue per device (``CUDA_DEVICE_MAX_CONNECTIONS=1``). 2BW's last stage updates before the first stage
+    has sent it the next step's activations; 1F1B needs the new version at once, so waiting costs it nothing."""
+    clipping, ties = Collectives(P, clip=True), Collectives(P, ties=((0, P - 1),))
+    bad = {
+        "synchronous clipping": (programs("2bw", P, P, collectives=Collectives(P, clip=True, deferred=False)), {}),
+        "synchronous ties": (programs("2bw", P, P, collectives=Collectives(P, ties=((0, P - 1),), deferred=False)), {}),
+        "synchronize after each step": (programs("2bw", P, P, collectives=clipping, sync=True), {}),
+        "one hardware queue": (programs("2bw", P, P, collectives=ties), {"one_queue": True}),
+    }
+    for name, (progs, options) in bad.items():
+        try:
+            check_transfers(progs, rendezvous=True, **options)
+        except AssertionError as error:
+            assert "transfers deadlock" in str(error), name
+        else:
+            pytest.fail(f"the model found no deadlock with {name}")
+        check_transfers(progs, rendezvous=False, **options)  # the rendezvous is what hangs: sends wait
+    for options in (
+        {"collectives": Collectives(P, clip=True, deferred=False)},
+        {"collectives": clipping, "sync": True},
+    ):
+        check_transfers(programs("1f1b", P, P, **options), rendezvous=True)
+
+
 class RecordingChannel:
     """Stands in for :class:`Channel` and records what the runtime posts and waits for."""
 
@@ -117,10 +182,26 @@ class RecordingChannel:
         pass
 
 
+class RecordingCollectives:
+    """Stands in for ``torch.distributed``'s all-reduce; records each posted collective by its group's name."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        self.log.append(("post", (("C", group),)))
+        work = SimpleNamespace(wait=lambda: self.log.append(("wait", ("C", group))))
+        if not async_op:
+            work.wait()  # a blocking all-reduce: on NCCL the compute stream waits for it
+        return work if async_op else None
+
+
 def project(items, stage: int):
-    """The model's items as (role, side) per operation, as RecordingChannel logs them."""
+    """The model's items as (role, side) per transfer, (role, group name) per collective, as the recorders log."""
 
     def side(op):
+        if op[0] == "C":
+            return op[1][0]
         return "prev" if op[1][0] < stage else "next"
 
     out = []
@@ -135,11 +216,22 @@ def project(items, stage: int):
 
 @pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("P,M", [(2, 2), (3, 6), (4, 4)])
-def test_runtime_posts_what_the_model_checks(kind, P, M):
+@pytest.mark.parametrize("with_collectives", ["none", "clipping", "ties", "replicas"])
+def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monkeypatch):
     torch.manual_seed(0)
     width, rows = 4, 2
+    collectives = {
+        "none": None,
+        "clipping": Collectives(P, clip=True),
+        "ties": Collectives(P, ties=((0, P - 1),)),
+        "replicas": Collectives(P, replicas=2, clip=True),
+    }[with_collectives]
+    log: list = []
+    monkeypatch.setattr(updates.dist, "all_reduce", RecordingCollectives(log).all_reduce)
+    monkeypatch.setattr(updates.dist, "get_world_size", lambda group=None: 2)
+    tie = Tie({0: "0.weight", P - 1: "0.weight"}, (0, P - 1), (width, width), torch.float32, True)
     for stage in range(P):
-        log: list = []
+        log.clear()
         layer = nn.Linear(width, width)
         runtime = StageRuntime(
             kind=kind,
@@ -155,6 +247,12 @@ def test_runtime_posts_what_the_model_checks(kind, P, M):
             next_rank=stage + 1 if stage < P - 1 else None,
             check_finite=False,
             check_data_order=False,  # the recording channels carry activations only
+            clip_grad_norm=1.0 if collectives is not None and collectives.clip else None,
+            norm_group="norm",
+            data_group="data" if with_collectives == "replicas" else None,
+            ties=TiedGradients([tie], stage, ["tie 0" if stage in tie.names else None])
+            if with_collectives == "ties"
+            else None,
         )
         if runtime.prev is not None:
             runtime.prev = RecordingChannel("prev", log, (rows, width))
@@ -166,5 +264,5 @@ def test_runtime_posts_what_the_model_checks(kind, P, M):
             runtime.drain()
             for _ in range(2):
                 runtime.evaluate(torch.randn(rows, width))
-        expected = project(host_program(segments(kind, P, M, stage, RUNS)), stage)
+        expected = project(host_program(segments(kind, P, M, stage, RUNS), collectives=collectives), stage)
         assert log == expected, f"stage {stage}"
