@@ -3,10 +3,12 @@
     python -m lightning_async_pp fit --config examples/configs/quickstart.yaml
     async-pp fit --config examples/configs/quickstart.yaml --trainer.max_steps 50
     python -m lightning_async_pp consolidate lightning_logs/version_0/checkpoints/last.ckpt model.ckpt
+    python -m lightning_async_pp tokenize corpus/ --out data/train.bin --tokenizer my-tokenizer/
 
 Both forms behave alike: a ``class_path`` may name a module in the current folder, and the exit status is 0
 after success and non-zero after an error. ``consolidate`` writes a sharded checkpoint as one file (and a
-Hugging Face model, trained through ``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder).
+Hugging Face model, trained through ``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder);
+``tokenize`` writes a token file for ``lightning_async_pp.models.TokenFileDataModule`` from local text.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def main(args: Sequence[str] | None = None) -> int:
 
     Args:
         args: The arguments, ``None`` for ``sys.argv[1:]``. ``consolidate CHECKPOINT_DIR OUT`` writes a sharded
-            checkpoint as one file (:func:`consolidate_main`).
+            checkpoint as one file (:func:`consolidate_main`); ``tokenize SOURCE... --out FILE`` writes a token
+            file (:func:`lightning_async_pp.models.token_writer.main`).
 
     Returns:
         0 after success. Errors raise: argument errors as ``SystemExit(2)``, failures of the run as their
@@ -153,6 +156,11 @@ def main(args: Sequence[str] | None = None) -> int:
     argv = list(args) if args is not None else sys.argv[1:]
     if argv[:1] == ["consolidate"]:  # not a LightningCLI subcommand
         consolidate_main(argv[1:])
+        return 0
+    if argv[:1] == ["tokenize"]:  # not a LightningCLI subcommand either
+        from lightning_async_pp.models.token_writer import main as tokenize_main
+
+        tokenize_main(argv[1:])
         return 0
     _current_folder_importable()
     AsyncPipelineCLI(

@@ -1,7 +1,8 @@
 """Language models from other libraries as pipeline-ready ``LightningModule``s.
 
 :class:`CausalLM` wraps a Hugging Face ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, GPT-2) and
-:class:`TokenizedTextDataModule` feeds it packed token sequences. ``transformers`` is an optional extra
+:class:`TokenizedTextDataModule` feeds it packed token sequences, :class:`TokenFileDataModule` random windows of a
+pre-tokenized flat token file. ``transformers`` is an optional extra
 (``pip install "lightning-async-pp[hf]"``): it is imported when one of these names is first used, never by
 ``import lightning_async_pp``.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CausalLM", "TokenizedTextDataModule"]
+__all__ = ["CausalLM", "TokenFileDataModule", "TokenizedTextDataModule"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from lightning_async_pp.models.data import TokenizedTextDataModule
 
         return TokenizedTextDataModule
+    if name == "TokenFileDataModule":
+        from lightning_async_pp.models.tokens import TokenFileDataModule
+
+        return TokenFileDataModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

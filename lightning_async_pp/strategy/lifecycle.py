@@ -120,7 +120,9 @@ class ResumableLoader:
     Lightning restores how many batches of the current epoch were completed, but restarts a plain
     ``DataLoader`` from its first batch. This wrapper skips the completed ones (reading, not training on
     them) when iteration actually begins, so a resumed run sees the same batches as an uninterrupted one,
-    provided the loader itself is deterministic per epoch (for example a sampler seeded by epoch).
+    provided the loader itself is deterministic per epoch (for example a sampler seeded by epoch). A sampler
+    with a ``resume_after(samples)`` method (:class:`~lightning_async_pp.models.tokens.WindowSampler`) is told
+    how many samples to pass over instead, and the skipped batches are never read.
 
     Args:
         dataloader: The training dataloader.
@@ -137,10 +139,16 @@ class ResumableLoader:
     def _iterate(self) -> Iterator[Any]:
         # A generator: this body runs at the first `next()`, after Lightning has restored its progress
         # counters and called `set_epoch` on the sampler.
-        iterator = iter(self.dataloader)
         skip = self.completed_batches()
         if hasattr(self.dataloader, "__len__") and len(self.dataloader) > 0:
             skip %= len(self.dataloader)
+        sampler = getattr(self.dataloader, "sampler", None)
+        batch_size = getattr(self.dataloader, "batch_size", None)
+        if skip and batch_size and hasattr(sampler, "resume_after"):
+            # The sampler starts after the trained samples itself: nothing before them is read.
+            sampler.resume_after(skip * batch_size)
+            skip = 0
+        iterator = iter(self.dataloader)
         for _ in range(skip):
             next(iterator, None)
         yield from iterator
