@@ -16,15 +16,7 @@ from lightning_async_pp.models.token_writer import main as tokenize_main
 from lightning_async_pp.models.token_writer import write_token_file
 from lightning_async_pp.models.tokens import KeyedPermutation, TokenFileDataModule, TokenWindows, WindowSampler
 from tests.fixtures.helpers import tiny_gpt
-
-
-def position_file(path, num_tokens: int, dtype: str = "uint16") -> TokenFileInfo:
-    """A token file whose token ``i`` is ``i``: any window tells where in the file it was read."""
-    np.arange(num_tokens, dtype=dtype).tofile(path)
-    info = TokenFileInfo(dtype, num_tokens, vocab_size=num_tokens, max_token_id=num_tokens - 1)
-    info.write(path)
-    return info
-
+from tests.fixtures.token_files import position_file
 
 # --- writing ----------------------------------------------------------------------------------------------------
 
