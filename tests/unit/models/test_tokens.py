@@ -295,3 +295,15 @@ def test_resident_memory_does_not_grow_with_the_file(tmp_path):
     print(f"RSS growth: 1M tokens {small_growth / 2**20:.1f} MiB, 200M tokens {large_growth / 2**20:.1f} MiB")
     assert large_growth < small_growth + 8 * 2**20
     assert large_growth < 16 * 2**20
+
+
+def test_the_llm_example_config_passes_the_cli_validation():
+    import contextlib
+    import io
+
+    from lightning_async_pp.cli import main
+    from tests.fixtures.helpers import ROOT
+
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "examples" / "configs" / "llm_tokens.yaml"), "--print_config"])
+    assert exit_info.value.code in (0, None)
