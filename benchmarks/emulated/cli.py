@@ -88,6 +88,7 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
         "layers_per_stage": args.layers_per_stage,
         "width": args.width,
         "rows": args.rows,
+        "cores": os.cpu_count() or 1,
         "costs": {
             "forward": args.forward_ms / 1e3,
             "input": args.input_grad_ms / 1e3,

@@ -2,10 +2,19 @@
 
 Per repetition of a cell, the step time is the slowest rank's timed window over the timed steps (every
 rank's window ends with its share of the last step); its efficiency is the schedule's ideal step time
-(:func:`~benchmarks.emulated.grid.ideal_step_seconds`) over it. Per rank: ``bubble`` = 1 - emulated busy
-time (the layers' sleeps) / the rank's window, ``cpu_ms_per_step`` = the process's CPU time per step (the
-host work: the schedule's bookkeeping, autograd, transfers), ``peak_stashed`` = the most micro-batches held
-between their forward and their last backward part. A cell's figure is the median over its repetitions.
+(:func:`~benchmarks.emulated.grid.ideal_step_seconds`) over it. Per rank:
+
+* ``bubble``: 1 - emulated busy time (the layers' sleeps) / the rank's window;
+* ``cpu_ms_per_step``: the process's CPU time per step (the host work: the schedule's bookkeeping, autograd,
+  transfers); ``cpu_load``: all ranks' CPU time over the step time and the machine's cores;
+* ``host_in_calls_ms_per_microbatch``: time inside the forward, backward, weight-gradient and update calls
+  beyond their sleeps, per micro-batch: the runtime's own work around each action (``host_ms_by_call``
+  splits it into forwards, backwards and the update);
+* ``outside_calls_ms_per_step``: the rest of the window (waits for neighbours, transfers, the schedule's
+  bookkeeping between actions);
+* ``peak_stashed``: the most micro-batches held between their forward and their last backward part.
+
+A cell's figure is the median over its repetitions.
 
 The simulator (:func:`lightning_async_pp.schedule.simulate.simulate`) runs our action lists for
 ``ours_2bw``, ``ours_1f1b`` and ``torch_1f1b`` (torch's 1F1B is the same order) with each rank's measured
@@ -94,6 +103,30 @@ def _cell(P: int, M: int, name: str, reps: list[list[dict]], costs: grid.Costs, 
         "bubble_per_stage": _per_rank(reps, lambda r: 1.0 - sum(r["busy_s"].values()) / r["window_s"]),
         "busy_ms_per_step": _per_rank(reps, lambda r: 1e3 * sum(r["busy_s"].values()) / steps),
         "cpu_ms_per_step": _per_rank(reps, lambda r: 1e3 * r["cpu_s"] / steps),
+        # The share of the machine's cores the ranks kept busy: near 1, the cell measures CPU contention too.
+        "cpu_load": statistics.median(
+            sum(r["cpu_s"] for r in rep) / (max(r["window_s"] for r in rep) * spec["cores"]) for rep in reps
+        ),
+        "host_in_calls_ms_per_microbatch": _per_rank(
+            reps, lambda r: 1e3 * (sum(r["calls_s"].values()) - sum(r["busy_s"].values())) / (steps * M)
+        ),
+        "outside_calls_ms_per_step": _per_rank(
+            reps, lambda r: 1e3 * (r["window_s"] - sum(r["calls_s"].values())) / steps
+        ),
+        "host_ms_by_call": {
+            "forward_per_microbatch": _per_rank(
+                reps, lambda r: 1e3 * (r["calls_s"]["F"] - r["busy_s"]["forward"]) / (steps * M)
+            ),
+            "backward_per_microbatch": _per_rank(
+                reps,
+                lambda r: (
+                    1e3
+                    * (r["calls_s"]["B"] + r["calls_s"]["W"] - r["busy_s"]["input"] - r["busy_s"]["weight"])
+                    / (steps * M)
+                ),
+            ),
+            "update_per_step": _per_rank(reps, lambda r: 1e3 * r["calls_s"]["U"] / steps),
+        },
         "peak_stashed_per_stage": [max(rep[r]["peak_stashed"] for rep in reps) for r in range(P)],
     }
     kind = SIMULATED.get(name)
@@ -141,8 +174,9 @@ def detail_table(results: list[dict]) -> str:
     """Markdown: every cell and schedule with its step time, bubble, CPU time and stash per stage."""
     lines = [
         "| P | M | schedule | step ms | ideal ms | efficiency | simulated ms (error) | bubble per stage "
-        "| CPU ms/step per stage | peak stashed micro-batches per stage |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms/step per stage | CPU load | host ms/micro-batch in calls per stage | peak stashed micro-batches "
+        "per stage |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         sim = r.get("simulated_step_ms")
@@ -150,7 +184,8 @@ def detail_table(results: list[dict]) -> str:
         lines.append(
             f"| {r['num_stages']} | {r['num_microbatches']} | `{r['name']}` | {r['step_ms']:.1f} | "
             f"{r['ideal_step_ms']:.1f} | {r['efficiency']:.3f} | {shown} | {_stages(r['bubble_per_stage'], '.2f')} | "
-            f"{_stages(r['cpu_ms_per_step'], '.0f')} | {_stages(r['peak_stashed_per_stage'], 'd')} |"
+            f"{_stages(r['cpu_ms_per_step'], '.0f')} | {r['cpu_load']:.2f} | "
+            f"{_stages(r['host_in_calls_ms_per_microbatch'], '.2f')} | {_stages(r['peak_stashed_per_stage'], 'd')} |"
         )
     return "\n".join(lines)
 

@@ -43,11 +43,33 @@ class Stash:
         self.peak = max(self.peak, self.live)
 
 
+class Calls:
+    """Seconds spent inside the compute calls, per kind: ``F`` forward, ``B`` backward (full, or input only where
+    torch splits it), ``W`` weight gradient, ``U`` optimizer update. Less the layers' sleeps, what remains is the
+    host work a runtime does around the emulated device's."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys("FBWU", 0.0)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+
+    def timed(self, kind: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - start
+
+        return call
+
+
 class Runner:
     """One schedule at one ``M`` on this rank: ``step()`` runs a training step, ``finish()`` ends a run."""
 
-    def __init__(self, step: Callable[[], None], finish: Callable[[], None], stash: Stash) -> None:
-        self.step, self.finish, self.stash = step, finish, stash
+    def __init__(self, step: Callable[[], None], finish: Callable[[], None], stash: Stash, calls: Calls) -> None:
+        self.step, self.finish, self.stash, self.calls = step, finish, stash, calls
 
 
 def _batch(num_microbatches: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,17 +107,26 @@ def ours_runner(name: str, rank: int, P: int, M: int, spec: dict[str, Any], grou
         norm_group=groups["ours_norm"],
         check_finite=True,
     )
-    stash = Stash()
+    stash, calls = Stash(), Calls()
     delta = {Op.FORWARD: 1, Op.BACKWARD: -1}
-    runtime.add_observer(lambda action, begin, end: stash.add(delta.get(action.op, 0)))
+    kinds = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.UPDATE: "U"}
+
+    def observe(action, begin: float, end: float) -> None:
+        stash.add(delta.get(action.op, 0))
+        if action.op in kinds:
+            calls.add(kinds[action.op], end - begin)
+
+    runtime.add_observer(observe)
     batch = _batch(M, spec["rows"], spec["width"])
     counter = iter(range(1 << 62))
-    return Runner(lambda: runtime.run_step(next(counter), batch), runtime.drain, stash)
+    return Runner(lambda: runtime.run_step(next(counter), batch), runtime.drain, stash, calls)
 
 
-def _counted(stage: Any, stash: Stash) -> None:
-    """Count on ``stash`` each forward of ``stage`` and the end of each micro-batch's backward."""
-    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+def _counted(stage: Any, stash: Stash, calls: Calls) -> None:
+    """Count on ``stash`` each forward of ``stage`` and the end of each micro-batch's backward; time them."""
+    forward = calls.timed("F", stage.forward_one_chunk)
+    backward = calls.timed("B", stage.backward_one_chunk)
+    weight = calls.timed("W", stage.backward_weight_one_chunk)
 
     def forward_one_chunk(*args, **kwargs):
         out = forward(*args, **kwargs)
@@ -122,16 +153,17 @@ def torch_runner(name: str, rank: int, P: int, M: int, spec: dict[str, Any], gro
 
     num_stages = grid.num_model_stages(name, P)
     indices = grid.rank_stages(name, rank, P)
-    stash = Stash()
+    stash, calls = Stash(), Calls()
     stages = []
     for index in indices:
         module = nn.Sequential(*_rank_layers(name, index, P, spec))
         stage = pipelining.PipelineStage(module, index, num_stages, torch.device("cpu"), group=groups["torch"])
-        _counted(stage, stash)
+        _counted(stage, stash, calls)
         stages.append(stage)
     kind = getattr(pipelining, grid.TORCH[name][0])
     schedule = kind(stages[0] if len(stages) == 1 else stages, M, loss_fn=emulated_loss)
     optimizer = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
+    optimizer_step = calls.timed("U", optimizer.step)
     x, target = _batch(M, spec["rows"], spec["width"])
     first, last = 0 in indices, num_stages - 1 in indices
 
@@ -143,27 +175,28 @@ def torch_runner(name: str, rank: int, P: int, M: int, spec: dict[str, Any], gro
             losses=[] if last else None,
             return_outputs=False,
         )
-        optimizer.step()
+        optimizer_step()
 
-    return Runner(step, lambda: None, stash)
+    return Runner(step, lambda: None, stash, calls)
 
 
 def run_cell(runner: Runner, warmup: int, steps: int) -> dict[str, Any]:
     """``warmup`` untimed then ``steps`` timed steps; the timed window starts at the end of the last warm-up step."""
     ends: list[float] = []
-    busy0, cpu0, peak_before = CLOCK.snapshot(), time.process_time(), 0
+    busy0, calls0, cpu0, peak_before = CLOCK.snapshot(), {}, time.process_time(), 0
     for t in range(warmup + steps):
         runner.step()
         ends.append(time.perf_counter())
         if t == warmup - 1:
-            busy0, cpu0 = CLOCK.snapshot(), time.process_time()
+            busy0, calls0, cpu0 = CLOCK.snapshot(), dict(runner.calls.seconds), time.process_time()
             peak_before, runner.stash.peak = runner.stash.peak, runner.stash.live
-    busy1, cpu1 = CLOCK.snapshot(), time.process_time()
+    busy1, calls1, cpu1 = CLOCK.snapshot(), dict(runner.calls.seconds), time.process_time()
     runner.finish()
     return {
         "step_ends": [e - ends[warmup - 1] for e in ends[warmup:]],
         "window_s": ends[-1] - ends[warmup - 1],
         "busy_s": {k: busy1[k] - busy0[k] for k in busy1},
+        "calls_s": {k: calls1[k] - calls0[k] for k in calls1},
         "cpu_s": cpu1 - cpu0,
         "peak_stashed": runner.stash.peak,
         "peak_stashed_warmup": peak_before,

@@ -95,6 +95,7 @@ def _records(P: int, M: int, name: str, window: float, rep: int) -> list[dict]:
             "rep": rep,
             "window_s": window + 0.001 * r,
             "busy_s": busy,
+            "calls_s": {"F": 0.0105 * M, "B": 0.0105 * M, "W": 0.0, "U": 0.001},
             "cpu_s": 0.002,
             "peak_stashed": P - r,
         }
@@ -105,6 +106,7 @@ def _records(P: int, M: int, name: str, window: float, rep: int) -> list[dict]:
 def test_report_on_made_up_records():
     spec = {
         "warmup": 1,
+        "cores": 2,
         "steps": 2,
         "layers_per_stage": 2,
         "costs": {"forward": 0.005, "input": 0.0025, "weight": 0.0025},
@@ -124,6 +126,12 @@ def test_report_on_made_up_records():
     assert cell["efficiency"] == pytest.approx(0.020 / 0.0205)
     assert cell["bubble_per_stage"] == pytest.approx([1 - 0.04 / 0.04, 1 - 0.04 / 0.041])
     assert cell["peak_stashed_per_stage"] == [2, 1]
+    # Calls of 21 + 21 + 1 ms around 40 ms of sleeps, over 4 micro-batches; 0.002 s CPU x 2 ranks, 2 cores.
+    assert cell["host_in_calls_ms_per_microbatch"] == pytest.approx([0.75, 0.75])
+    by_call = cell["host_ms_by_call"]
+    assert by_call["forward_per_microbatch"] == by_call["backward_per_microbatch"] == pytest.approx([0.25, 0.25])
+    assert by_call["update_per_step"] == pytest.approx([0.5, 0.5])
+    assert cell["cpu_load"] == pytest.approx(0.004 / (0.041 * 2))
     # Measured sleeps of 10 ms forward and 10 ms backward per micro-batch over the 2 x 2 micro-batches.
     assert cell["simulated_step_ms"] == pytest.approx(2 * (5.0 + 5.0))
     text = report.markdown(
