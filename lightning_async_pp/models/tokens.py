@@ -37,9 +37,10 @@ class TokenWindows(Dataset):
     ``batch_format="input_ids"`` a dict ``{"input_ids": window}`` (``transformers`` shifts the labels, so
     ``block_size`` tokens are predicted), with ``"pairs"`` the pair ``(window[:-1], window[1:])``.
 
-    The map is opened in the process that reads (each DataLoader worker its own), and the pages of each window
-    are dropped from the process once copied (``MADV_DONTNEED``; the operating system's page cache keeps them),
-    so resident memory stays flat however much of the file an epoch reads.
+    The map is opened in the process that reads (each DataLoader worker its own), without read-ahead
+    (``MADV_RANDOM``: the windows are scattered), and the pages of each window are dropped from the process once
+    copied (``MADV_DONTNEED``; the operating system's page cache keeps them), so resident memory stays flat
+    however much of the file an epoch reads.
 
     Args:
         path: The token file.
@@ -91,6 +92,9 @@ class TokenWindows(Dataset):
         if self._map is None:
             with open(self.path, "rb") as file:
                 self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+                # Windows are read at random: reading ahead of each would read ~128 KiB from disk per window.
+                self._map.madvise(mmap.MADV_RANDOM)
         lo, hi = offset * self.dtype.itemsize, (offset + count) * self.dtype.itemsize
         tokens = np.frombuffer(self._map, dtype=self.dtype, count=count, offset=lo).astype(np.int64)
         if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
