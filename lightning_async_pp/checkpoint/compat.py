@@ -1,14 +1,53 @@
-"""Whether a checkpoint can continue this run, and fitting rank 0's saved scheduler states to this rank."""
+"""Whether a path is a checkpoint at all and whether it can continue this run, and fitting rank 0's saved
+scheduler states to this rank."""
 
 from __future__ import annotations
 
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_async_pp.checkpoint.layout import MODEL_PREFIX
+from lightning_async_pp.checkpoint.layout import META_FILE, MODEL_PREFIX
+
+_PICKLE_PROTOCOL_2_OR_LATER = b"\x80"  # how torch's legacy (non-zip) format and any modern pickle begin
+
+LAYOUT = (
+    f"A checkpoint of this strategy is a directory (e.g. `epoch=0-step=100.ckpt/`, as ModelCheckpoint and "
+    f"`trainer.save_checkpoint` write it) holding `.metadata`, `{META_FILE}` and one `__<rank>_0.distcp` file per "
+    "saving rank; `lightning_async_pp consolidate` turns one into a single `torch.save` file, which can be "
+    "loaded too."
+)
+"""What a checkpoint looks like, for messages about a path that is not one."""
+
+
+def check_checkpoint_path(path: _PATH) -> None:
+    """Refuse a ``ckpt_path`` that is a file but not a ``torch.save`` file, saying what a checkpoint looks like.
+
+    Only the first bytes are read, so it is cheap enough to run in the main process before any other starts.
+    Directories (sharded checkpoints) and paths that do not exist are left to the loader's own messages.
+
+    Args:
+        path: The ``ckpt_path`` given to ``fit``, ``validate``, ``test`` or ``predict``.
+
+    Raises:
+        ValueError: If ``path`` is a file that neither ``torch.save`` format could have written.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return
+    with open(path, "rb") as file:
+        start = file.read(1)
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            if any(name.endswith("data.pkl") for name in archive.namelist()):
+                return
+    elif start == _PICKLE_PROTOCOL_2_OR_LATER:
+        return
+    raise ValueError(f"ckpt_path={str(path)!r} is not a checkpoint of this strategy (nor a torch.save file). {LAYOUT}")
 
 
 def check_compatible(

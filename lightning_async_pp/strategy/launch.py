@@ -8,6 +8,7 @@ once with one message instead of once per rank. The functions take the
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.runtime.contract import require_pipeline_module
 from lightning_async_pp.runtime.recompute import select_layers
 from lightning_async_pp.schedule import SCHEDULES, validate
@@ -88,7 +90,19 @@ def _checked_launch(strategy: Any, launch: Callable, function: Callable, *args: 
     # `fit(model, ...)`: find configuration errors here, before any other process starts.
     if args and isinstance(args[0], LightningModule):
         strategy.check_model(args[0])
+    ckpt_path = _argument(function, "ckpt_path", args, kwargs)
+    if ckpt_path is not None:
+        check_checkpoint_path(ckpt_path)
     return launch(function, *args, **kwargs)
+
+
+def _argument(function: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+    """The value ``function(*args, **kwargs)`` would get for ``name`` (``None`` if it has no such parameter)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "trainer"}  # the launcher's own keyword
+    try:
+        return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(name)
+    except (TypeError, ValueError):
+        return None
 
 
 class _SpawnLauncher(_MultiProcessingLauncher):

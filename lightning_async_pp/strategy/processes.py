@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_async_pp.strategy.device_sync import warn_unsafe_device_settings
 from lightning_async_pp.strategy.metrics import reduce_decision
+from lightning_async_pp.strategy.rendezvous import join_job, waiting_message
 from lightning_async_pp.strategy.topology import PipelineDims, ProcessGroups, init_process_group
 from lightning_async_pp.strategy.topology import barrier as distributed_barrier
 
@@ -151,14 +152,26 @@ class PipelineProcesses(ParallelStrategy):
         self.process_group_backend = backend
         warn_unsafe_device_settings(backend, self.multi_process)
         if not _distributed_is_initialized():
-            init_process_group(
-                backend,
-                env.global_rank(),
-                env.world_size(),
-                env.main_address,
-                env.main_port,
+            join_job(
+                lambda: init_process_group(
+                    backend,
+                    env.global_rank(),
+                    env.world_size(),
+                    env.main_address,
+                    env.main_port,
+                    self.timeout,
+                    self.root_device,
+                ),
+                waiting_message(
+                    env.world_size(),
+                    self.num_nodes,
+                    self.num_processes,
+                    self.node_rank,
+                    env.main_address,
+                    env.main_port,
+                ),
                 self.timeout,
-                self.root_device,
+                announce=self.local_rank == 0,
             )
 
     def gather_stages(self, obj: Any) -> list[Any] | None:

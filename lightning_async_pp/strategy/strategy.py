@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_async_pp.checkpoint import ShardedCheckpointIO, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.runtime.contract import is_pipeline_module
 from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
@@ -413,6 +414,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         """Read Lightning's metadata and, in place, this stage's tensors, from any stage count it was saved with."""
         self._restored_sharded = False
         if not is_sharded_checkpoint(checkpoint_path):
+            check_checkpoint_path(checkpoint_path)  # one process: no launcher checked it
             return self.checkpoint_io.load_checkpoint(checkpoint_path)  # a single-file (consolidated) checkpoint
         meta = load_sharded(self, checkpoint_path)
         self._restored_sharded = True

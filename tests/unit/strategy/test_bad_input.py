@@ -52,3 +52,10 @@ def test_plain_module_trains_delayed_with_one_microbatch():
     losses = fit(model, random_batches(3), strategy=AsyncPipelineStrategy(schedule="2bw"))
     assert len(losses) == 3
     assert not torch.equal(before, model.net.weight)
+
+
+def test_a_file_that_is_not_a_checkpoint_is_refused_on_one_device(tmp_path):
+    notes = tmp_path / "notes.ckpt"
+    notes.write_bytes(b"PK not really a zip")
+    with pytest.raises(ValueError, match=r"not a checkpoint of this strategy.*\.distcp"):
+        fit(tiny_gpt(), random_batches(2), strategy=AsyncPipelineStrategy(), ckpt_path=str(notes))

@@ -59,3 +59,10 @@ def test_fp16_is_refused():
 def test_microbatches_fewer_than_stages():
     with pytest.raises(ValueError, match="num_microbatches >= 4"):
         Trainer(strategy=AsyncPipelineStrategy(num_microbatches=2), accelerator="cpu", devices=4, logger=False)
+
+
+def test_a_file_that_is_not_a_checkpoint_is_refused_before_any_process_starts(tmp_path):
+    notes = tmp_path / "notes.ckpt"
+    notes.write_text("not a checkpoint\n")
+    with pytest.raises(ValueError, match=r"not a checkpoint of this strategy.*a directory.*\.metadata.*meta\.pt"):
+        trainer().fit(tiny_gpt(), loader(random_batches(1)), ckpt_path=str(notes))
