@@ -46,6 +46,7 @@ def setup_stage(strategy: Any, trainer: Trainer) -> None:
     strategy._groups = groups = ProcessGroups(
         dims, rank, strategy.process_group_backend, strategy.root_device, strategy.timeout
     )
+    strategy._failure.start(strategy)  # the heartbeat starts while every rank is here, well within the timeout
     strategy._stage_stats = StageStatistics.for_pipeline(dims, rank, groups.stats)
     # One data order for every stage of a pipeline: the shuffle seed is rank 0's (see data_order).
     strategy._data_seed = strategy.broadcast(local_seed(), src=0)

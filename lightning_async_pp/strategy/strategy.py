@@ -43,6 +43,7 @@ from lightning_async_pp.strategy.checkpointing import (
     save_sharded,
     sharded_checkpoint_io,
 )
+from lightning_async_pp.strategy.failure import FailureGuard
 from lightning_async_pp.strategy.launch import check_arguments, check_pipeline_model, configure_launcher
 from lightning_async_pp.strategy.lifecycle import (
     ResumableLoader,
@@ -125,8 +126,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
         precision_plugin: Set by the ``Trainer``.
         process_group_backend: ``torch.distributed`` backend (default: NCCL on GPUs, gloo on CPUs).
         timeout: How long a process waits for a transfer or collective before it gives up and brings the job
-            down. A stage that dies is noticed at once (its connections close); the timeout catches a hung one.
-            In YAML, a duration string such as ``"0:05:00"``.
+            down. A stage that fails or dies is noticed within seconds by a heartbeat on the control traffic (see
+            :mod:`~lightning_async_pp.strategy.failure`); the timeout catches a hung one. In YAML, ``"0:05:00"``.
     """
 
     strategy_name = "async_pp"
@@ -177,6 +178,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self._single_device = SingleDevice()
         self._no_loss: Tensor | None = None
         self._restored_sharded = False
+        self._failure = FailureGuard()
 
     @property
     def stage_layers(self) -> range | None:
@@ -431,8 +433,13 @@ class AsyncPipelineStrategy(PipelineProcesses):
             super().load_optimizer_state_dict(checkpoint)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failure.on_exception(exception)  # first: the error, on stderr, before any other rank's
+
+    @override
     def teardown(self) -> None:
+        if self._failure.teardown(self.flush):  # failed: no drain (peers are not draining), groups aborted
+            return
         # The (drained) runtime and the delayed weights stay, so that `trainer.save_checkpoint` after `fit`
         # still records both weight versions.
-        self.flush()
         super().teardown()

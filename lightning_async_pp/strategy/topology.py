@@ -10,9 +10,10 @@ Initialising the default group (NCCL-ready, with a rendezvous kept on loopback):
 * ``device_id`` is passed to :func:`torch.distributed.init_process_group` on NCCL, which binds the
   process to its GPU and creates communicators eagerly (no lazy creation inside the first transfer,
   where ranks that reach it at different times could hang).
-* ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is set to ``1`` unless the user set it: a NCCL operation that fails
-  or runs past the strategy's ``timeout`` aborts the communicators and ends the process, so a dead or
-  hung stage brings the job down within ``timeout`` instead of leaving its neighbours waiting.
+* NCCL's error handling stays torch's default (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is not set here): an
+  operation that runs past the strategy's ``timeout`` ends the process. A rank that fails or dies is noticed
+  sooner, through the control traffic (:mod:`~lightning_async_pp.strategy.watchdog`), which aborts the
+  process groups itself.
 * The rendezvous store (a ``TCPStore`` on ``MASTER_PORT``) listens only on the loopback interface when
   ``MASTER_ADDR`` is a loopback address (one node): the store is created here on a socket bound to that
   address. ``init_process_group`` would listen on every interface. Under torchrun the launcher's agent
@@ -120,6 +121,8 @@ class ProcessGroups:
         stats: Replica 0's stages (gloo), whose step statistics travel to rank 0.
         metrics: What the last stage logs, relayed to the other stages of its replica (gloo groups of their own).
         checkpoint: Every rank (gloo), so that an asynchronous save never meets training traffic.
+        watchdog: Every rank (gloo), for the heartbeat of :class:`~lightning_async_pp.strategy.watchdog.PeerWatchdog`
+            only (its thread's collectives never meet the main thread's).
     """
 
     def __init__(self, dims: PipelineDims, rank: int, backend: str | None, device: torch.device, timeout: Any) -> None:
@@ -144,6 +147,7 @@ class ProcessGroups:
         pipelines = [dims.pipeline(d) for d in range(dims.data_parallel_size)]
         self.metrics: MetricsRelay = MetricsRelay.for_pipelines(pipelines, rank, device, timeout)
         self.checkpoint: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
+        self.watchdog: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def is_loopback(address: str) -> bool:
@@ -178,7 +182,6 @@ def init_process_group(
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
     kwargs: dict = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
     if "nccl" in backend and device.type == "cuda":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     if is_loopback(address) and not launcher_hosts_store():
