@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
+from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.module import PipelineModule
 
@@ -132,6 +133,9 @@ class GPT(PipelineModule):
         min_lr_ratio: Final learning rate as a fraction of the peak (``"cosine"`` only).
         tie_weights: The output head's matrix is the token embedding's (one parameter, initialised by the
             embedding). In a pipeline the first and last stages each hold a copy, kept identical.
+        compile: Compile each transformer block with ``torch.compile``, in place (parameter names and
+            checkpoints are unchanged): ``True`` for its defaults (inductor), or a dict of its keyword
+            arguments (``{"backend": "aot_eager"}``). See :mod:`lightning_async_pp.models.compiling`.
     """
 
     def __init__(
@@ -147,6 +151,7 @@ class GPT(PipelineModule):
         warmup_fraction: float = 0.1,
         min_lr_ratio: float = 0.1,
         tie_weights: bool = False,
+        compile: CompileOption = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -159,6 +164,7 @@ class GPT(PipelineModule):
         if tie_weights:
             self.layers[-1].lm_head.weight = self.layers[0].tok.weight
         self.reset_parameters()
+        compile_blocks(self.layers[1:-1], compile)
         self.val_loss, self.val_perplexity = MeanMetric(), Perplexity()
         self.test_loss, self.test_perplexity = MeanMetric(), Perplexity()
         self._batch_start: float | None = None

@@ -31,6 +31,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
+from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.contract import run_layers
 from lightning_async_pp.strategy.placement import MetaLayers
@@ -322,6 +323,10 @@ class CausalLM(LightningModule):
         lr_schedule: ``"constant"``, or ``"cosine"``: linear warm-up then cosine decay to ``min_lr_ratio``.
         warmup_fraction: Share of the steps spent in linear warm-up (``"cosine"`` only).
         min_lr_ratio: Final learning rate as a fraction of the peak (``"cosine"`` only).
+        compile: Compile each ``transformers`` decoder layer with ``torch.compile``, in place (parameter
+            names and checkpoints are unchanged): ``True`` for its defaults (inductor), or a dict of its
+            keyword arguments (``{"backend": "aot_eager"}``). The masks and rotary tables are built outside
+            the compiled code, once per stage and micro-batch. See :mod:`lightning_async_pp.models.compiling`.
 
     Raises:
         ValueError: For unsupported architectures (mixture-of-experts, multimodal, cross-attention, model
@@ -339,6 +344,7 @@ class CausalLM(LightningModule):
         lr_schedule: Literal["constant", "cosine"] = "cosine",
         warmup_fraction: float = 0.1,
         min_lr_ratio: float = 0.1,
+        compile: CompileOption = False,
     ) -> None:
         super().__init__()
         if (model_type is None) == (pretrained is None):
@@ -374,6 +380,7 @@ class CausalLM(LightningModule):
         )
         self.tied = self.tied and model.lm_head.weight is model.get_input_embeddings().weight
         self.layers = nn.ModuleList(_split(model))
+        compile_blocks((layer.layer for layer in self.layers if isinstance(layer, DecoderLayer)), compile)
         hf_names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             hf_names.setdefault(id(param), []).append(name)
