@@ -317,6 +317,12 @@ class TokenFileDataModule(LightningDataModule):
             self.val_set = self._windows(self.val_path, val_info)
         else:
             split = self.info.num_tokens - int(self.info.num_tokens * self.val_fraction)
+            if self.val_fraction and self.info.num_tokens - split <= self.block_size:
+                raise ValueError(
+                    f"The validation tail (val_fraction = {self.val_fraction} of {self.info.num_tokens:,} tokens) "
+                    f"holds {self.info.num_tokens - split} tokens, fewer than one window of block_size + 1 = "
+                    f"{self.block_size + 1}. Raise `val_fraction`, give a `val_path`, or set `val_fraction: 0`."
+                )
             self.val_set = self._windows(self.path, self.info, begin=split) if self.val_fraction else None
         self.train_set = self._windows(self.path, self.info, end=split)
 

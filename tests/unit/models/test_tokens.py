@@ -176,6 +176,9 @@ def test_samples_per_epoch_and_the_errors_of_the_sampler(tmp_path):
         WindowSampler(1000, 10, samples_per_epoch=100)
     with pytest.raises(ValueError, match="smaller `block_size`"):
         WindowSampler(30, 16)
+    position_file(tmp_path / "t.bin", 1000)
+    with pytest.raises(ValueError, match="holds 10 tokens, fewer than one window .* Raise `val_fraction`"):
+        TokenFileDataModule(str(tmp_path / "t.bin"), val_fraction=0.01, block_size=16).setup("fit")
 
 
 # --- resuming mid-epoch -----------------------------------------------------------------------------------------
