@@ -1,0 +1,104 @@
+"""PeerWatchdog in one process: what it concludes from the heartbeat's statuses and the store, with the heartbeat's
+all-reduce replaced by a stand-in that plays the other ranks (the multi-process runs are in
+tests/multiprocess/test_nccl_like_failures.py)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from lightning_async_pp.strategy import watchdog as watchdog_module
+from lightning_async_pp.strategy.watchdog import FAILED, FINISHED, PeerWatchdog
+
+
+class _Work:
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def _heartbeat(monkeypatch, others: dict[int, int] | None, error: str | None = None) -> None:
+    """The all-reduce answers ``others`` (rank: status) on top of this rank's status, or raises ``error``."""
+
+    def all_reduce(statuses, group=None, async_op=False, **kwargs):
+        for rank, status in (others or {}).items():
+            statuses[rank] = status
+        return _Work(error)
+
+    monkeypatch.setattr(watchdog_module.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(watchdog_module, "ROLL_CALL_S", 0.3)
+
+
+def _watchdog(store: dist.Store, rank: int = 0, world_size: int = 3) -> tuple[PeerWatchdog, list[str], threading.Event]:
+    calls: list[str] = []
+    called = threading.Event()
+
+    def on_failure(message: str) -> None:
+        calls.append(message)
+        called.set()
+
+    group = SimpleNamespace(group_name="test")
+    dog = PeerWatchdog(
+        group, rank, world_size, lambda r: f"stage {2 - r} (rank {r})", timedelta(seconds=5), on_failure, store, 0.05
+    )
+    return dog, calls, called
+
+
+def _peer_store(store: dist.Store) -> dist.Store:
+    """The store as another rank's watchdog of the same group sees it."""
+    return dist.PrefixStore("async_pp/watchdog/test/", store)
+
+
+def test_a_reported_failure_reaches_on_failure_with_the_error(monkeypatch):
+    store = dist.HashStore()
+    _peer_store(store).set("failed/1", "ValueError: the batch had 7 samples")
+    _heartbeat(monkeypatch, {1: FAILED})
+    dog, calls, called = _watchdog(store)
+    dog.start()
+    assert called.wait(5)
+    assert calls == ["stage 1 (rank 1) failed: ValueError: the batch had 7 samples"]
+
+
+def test_a_silent_rank_is_named_dead_after_the_roll_call(monkeypatch):
+    store = dist.HashStore()
+    _peer_store(store).set("alive/2", "1")  # rank 2 survived and answered; rank 1 did not
+    _heartbeat(monkeypatch, None, error="Connection closed by peer")
+    dog, calls, called = _watchdog(store)
+    dog.start()
+    assert called.wait(5)
+    assert calls[0].startswith("stage 1 (rank 1) died or stopped responding without reporting an error")
+    assert "Connection closed by peer" in calls[0]
+
+
+def test_every_rank_finished_is_no_failure(monkeypatch):
+    _heartbeat(monkeypatch, {1: FINISHED, 2: FINISHED})
+    dog, calls, _ = _watchdog(dist.HashStore())
+    dog.start()
+    assert dog.finish()
+    assert calls == [] and dog.peer_failure is None
+
+
+@pytest.mark.parametrize("claimed", [True, False])
+def test_a_claimed_failure_is_left_to_the_main_thread(monkeypatch, claimed):
+    """While this rank handles its own failure, the watchdog only records what it learnt."""
+    store = dist.HashStore()
+    _peer_store(store).set("failed/2", "RuntimeError: out of memory")
+    _heartbeat(monkeypatch, {2: FAILED})
+    dog, calls, _ = _watchdog(store)
+    if claimed:
+        assert dog.claim() is None  # nothing learnt yet
+    dog.start()
+    dog._thread.join(5)
+    assert dog.peer_failure == "stage 0 (rank 2) failed: RuntimeError: out of memory"
+    assert calls == ([] if claimed else [dog.peer_failure])
