@@ -4,6 +4,7 @@ of a local tokenizer, split by position into training and validation text."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -35,19 +36,29 @@ def read_corpus(path: str | Path) -> bytes:
     )
 
 
+def local_tokenizer(folder: str | Path, byte_vocab_size: int = 256) -> Any:
+    """A ``transformers`` tokenizer from a local folder written by ``save_pretrained``, read without a network.
+
+    Args:
+        folder: The folder.
+        byte_vocab_size: The vocabulary the caller uses without a tokenizer, for the error message.
+    """
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"`tokenizer` must be a local folder written by `tokenizer.save_pretrained`; {folder} does not exist. "
+            f"Leave it unset for byte-level tokens (vocab_size {byte_vocab_size})."
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
 def tokenize(text: bytes, tokenizer: str | None) -> tuple[Tensor, int]:
     """Token ids of ``text`` and the vocabulary size: raw bytes (256) or a local ``transformers`` tokenizer folder."""
     if tokenizer is None:
         return torch.frombuffer(bytearray(text), dtype=torch.uint8).long(), 256
-    folder = Path(tokenizer).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"`tokenizer` must be a local folder written by `tokenizer.save_pretrained`; {folder} does not exist. "
-            "Leave it unset for byte-level tokens (vocab_size 256)."
-        )
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok = local_tokenizer(tokenizer)
     ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False, return_attention_mask=False)[
         "input_ids"
     ]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from lightning_async_pp.files import atomic_path
-from lightning_async_pp.models.data import TEXT_SUFFIXES
+from lightning_async_pp.models.data import TEXT_SUFFIXES, local_tokenizer
 from lightning_async_pp.models.token_format import DTYPES, TokenFileInfo, header_path, smallest_dtype
 
 JSONL_SUFFIXES = (".jsonl",)
@@ -58,15 +58,7 @@ def byte_encoder() -> Encoder:
 
 def tokenizer_encoder(folder: str | os.PathLike) -> Encoder:
     """A local ``transformers`` tokenizer folder (written by ``save_pretrained``), read without a network."""
-    folder = Path(folder).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"The tokenizer must be a local folder written by `tokenizer.save_pretrained`; {folder} does not exist. "
-            "Leave it out for byte-level tokens (vocab_size 257)."
-        )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tokenizer = local_tokenizer(folder, byte_vocab_size=BYTE_EOS + 1)
     if tokenizer.eos_token_id is None:
         raise ValueError(
             f"The tokenizer in {folder} has no end-of-text token (eos_token), which is written between documents. "
