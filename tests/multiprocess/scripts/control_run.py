@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -57,7 +58,12 @@ class Record(Callback):
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 group = kwargs.get("group")
-                self.calls.append([_name, dist.get_world_size(group) if group is not None else dist.get_world_size()])
+                # The training steps' collectives; the failure watchdog's heartbeat runs in a thread of its own, by
+                # the clock (once a second), never inside a step.
+                if threading.current_thread() is threading.main_thread():
+                    self.calls.append(
+                        [_name, dist.get_world_size(group) if group is not None else dist.get_world_size()]
+                    )
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counted)
