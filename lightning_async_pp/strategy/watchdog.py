@@ -95,6 +95,8 @@ class PeerWatchdog:
         self._wake = threading.Event()
         self._learnt = threading.Event()
         self._carried = threading.Event()  # a heartbeat that carried this rank's FAILED completed
+        self._roll_call_started = threading.Event()
+        self._roll_call_s = max(ROLL_CALL_S, 3 * self.period)
         self._thread = threading.Thread(target=self._run, name="async_pp watchdog", daemon=True)
 
     def start(self) -> None:
@@ -121,6 +123,8 @@ class PeerWatchdog:
             self._claimed = True
         if wait > 0 and self.running:
             self._learnt.wait(wait)
+            if self._roll_call_started.is_set():  # the heartbeat broke too: let the roll call conclude
+                self._learnt.wait(self._roll_call_s + 1.0)
         return self.peer_failure
 
     def report_failure(self, error: str, wait: float) -> None:
@@ -200,10 +204,11 @@ class PeerWatchdog:
 
     def _roll_call(self, reason: str) -> str:
         """Who failed or died: the ranks that reported an error, else those that do not answer a roll call."""
+        self._roll_call_started.set()
         try:
             self.store.set("broken", str(self.rank))
             self.store.set(f"alive/{self.rank}", "1")
-            deadline = time.monotonic() + max(ROLL_CALL_S, 3 * self.period)
+            deadline = time.monotonic() + self._roll_call_s
             while time.monotonic() < deadline:
                 failed = [r for r in range(self.world_size) if self.store.check([f"failed/{r}"])]
                 if failed:
