@@ -65,6 +65,7 @@ from lightning_async_pp.strategy.stage_runtime import (
 )
 from lightning_async_pp.strategy.stage_stats import StageStatistics
 from lightning_async_pp.strategy.summary import use_pipeline_summary
+from lightning_async_pp.strategy.throughput import install_throughput_monitor
 
 # A child of Lightning's logger, so rank 0's messages are shown with Lightning's own.
 log = logging.getLogger("lightning.pytorch.strategies.async_pp")
@@ -253,6 +254,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.check_model(module)
         use_pipeline_summary(trainer)  # one table of every stage, not this rank's stage only
         show_epoch_without_total(trainer)
+        install_throughput_monitor(self, trainer)  # before the stage is cut: rank 0 copies the layers to meta
         if self.multi_process:
             setup_stage(self, trainer)
         else:
