@@ -21,15 +21,7 @@ from lightning_async_pp.strategy.throughput import (
 )
 from tests.fixtures.helpers import fit, random_batches, tiny_gpt
 from tests.fixtures.hf_models import CONFIGS
-
-N_LAYER, N_EMBD, BLOCK, VOCAB = 4, 32, 16, 256
-
-
-def gpt_flops_per_token(model) -> int:
-    """By hand: 2 FLOPs per matmul weight and token forward, twice that backward (6 N), plus attention's
-    ``Q K^T`` and ``A V``, ``2 x 2 T C`` per token and layer forward (not halved for the causal mask), x 3."""
-    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "layers.0." not in n)
-    return 6 * matmul_weights + 3 * 4 * N_LAYER * BLOCK * N_EMBD
+from tests.multiprocess.scripts.throughput_run import BLOCK, N_EMBD, N_LAYER, gpt_flops_per_token
 
 
 def cpu_flops(module, batch) -> int:
