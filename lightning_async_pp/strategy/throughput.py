@@ -262,8 +262,8 @@ class PipelineThroughputMonitor(Callback):
     for the first, which includes filling the pipeline). On CUDA, rank 0 waits for its device at logged steps
     only, so that the time is the device's.
 
-    Under ``strategy="async_pp"`` the strategy adds one with the defaults unless ``trainer.callbacks`` holds
-    one already.
+    Under ``strategy="async_pp"`` the strategy adds one with the defaults when the trainer has a logger and
+    ``trainer.callbacks`` holds no monitor already.
 
     Args:
         peak_flops: Peak FLOP/s of one device (e.g. ``989e12``); ``None`` looks the device up in
@@ -390,8 +390,8 @@ class PipelineThroughputMonitor(Callback):
 
 
 def install_throughput_monitor(strategy: Any, trainer: Trainer) -> None:
-    """Add a :class:`PipelineThroughputMonitor` unless the trainer has one; let rank 0's copy the model's
-    layers before the strategy cuts them. Call in the strategy's ``setup``, before the stage is placed."""
+    """Add a :class:`PipelineThroughputMonitor` unless the trainer has one (or no logger); let rank 0's copy the
+    model's layers before the strategy cuts them. Call in the strategy's ``setup``, before the stage is placed."""
     if trainer.state.fn != TrainerFn.FITTING:
         return
     monitors = [c for c in trainer.callbacks if isinstance(c, PipelineThroughputMonitor)]
@@ -400,6 +400,8 @@ def install_throughput_monitor(strategy: Any, trainer: Trainer) -> None:
             f"trainer.callbacks holds {len(monitors)} PipelineThroughputMonitor callbacks; keep one."
         )
     if not monitors:
+        if not trainer.loggers:  # nothing would be logged: spare the FLOP count
+            return
         monitors = [PipelineThroughputMonitor()]
         trainer.callbacks.append(monitors[0])
     if strategy.is_global_zero:

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.models.hf import CausalLM
 from lightning_async_pp.runtime.contract import run_layers
+from lightning_async_pp.runtime.recompute import checkpoint_layers
 from lightning_async_pp.strategy import throughput
 from lightning_async_pp.strategy.throughput import (
     PipelineThroughputMonitor,
@@ -86,6 +87,17 @@ def test_stage_flops_sum_to_the_whole_model():
     assert sum(counts) == cpu_flops(model, batch) + attention
 
 
+def test_compiled_and_recomputed_layers_count_their_model_flops():
+    model = tiny_gpt(n_layer=N_LAYER, n_embd=N_EMBD, block_size=BLOCK, compile=True)
+    layers = list(model.pipeline_layers())
+    checkpoint_layers(layers, range(1, 5))  # as activation_checkpointing=True does; the copy runs plain forwards
+    batch = random_batches(1, batch_size=4, block=BLOCK)[0]
+    counts = stage_flops(
+        meta_layers(model, layers), [range(0, 3), range(3, 6)], model.pipeline_inputs, model.pipeline_loss, batch
+    )
+    assert sum(counts) == gpt_flops_per_token(model) * batch[0].numel()
+
+
 def test_stage_flops_of_a_hugging_face_llama():
     model = CausalLM(model_type="llama", config=CONFIGS["llama"])
     model.configure_model()
@@ -152,20 +164,25 @@ def test_logged_mfu_on_cpu_equals_the_hand_computation():
         assert m["throughput/mfu"] == pytest.approx(by_hand * tokens_per_sec / peak, rel=0.01)
 
 
-def test_installed_by_the_strategy_without_mfu_on_cpu():
+def test_installed_by_the_strategy_with_a_logger_only():
+    def monitors(logger) -> list:
+        model = tiny_gpt(n_layer=2, n_embd=N_EMBD, block_size=BLOCK)
+        fit(
+            model,
+            random_batches(2, batch_size=4, block=BLOCK),
+            AsyncPipelineStrategy(),
+            logger=logger,
+            log_every_n_steps=1,
+            callbacks=[],
+        )
+        return [c for c in model.trainer.callbacks if isinstance(c, PipelineThroughputMonitor)]
+
     recorder = Recorder()
-    model = tiny_gpt(n_layer=2, n_embd=N_EMBD, block_size=BLOCK)
-    trainer_callbacks = []
-    fit(
-        model,
-        random_batches(2, batch_size=4, block=BLOCK),
-        AsyncPipelineStrategy(),
-        logger=recorder,
-        log_every_n_steps=1,
-        callbacks=trainer_callbacks,
-    )
+    assert len(monitors(recorder)) == 1
     logged = [m for _, m in recorder.logged if "throughput/tokens_per_sec" in m]
+    # On a CPU without a given peak: FLOP/s, no MFU.
     assert len(logged) == 2 and all("throughput/mfu" not in m and "throughput/flops_per_sec" in m for m in logged)
+    assert monitors(False) == []
 
 
 def test_bad_arguments_say_what_to_change():
