@@ -87,6 +87,7 @@ class FailureGuard:
         error = f"{type(exception).__name__}: {exception}"
         if peer is not None:
             _say(f"{self._name} stops: {peer}")
+            watchdog.hold_store()
             return
         _say(f"{self._name} failed: {error}")
         if watchdog is not None:
@@ -115,6 +116,8 @@ class FailureGuard:
     def _peer_failed(self, message: str) -> None:
         # On the watchdog's thread: the main thread may be blocked in the device for good.
         _say(f"{self._name} stops: {message}. Aborting its process groups and exiting.")
+        if self.watchdog is not None:
+            self.watchdog.hold_store()
         abort_process_groups()
         _exit_now()
 

@@ -16,8 +16,9 @@ learns
   close and the all-reduce raises on the ranks connected to it. The first rank that notices says so in the
   store; the others, whose heartbeat waits behind one that stopped, look at the store once a heartbeat is
   late. Every survivor then answers a roll call in the store; the ranks that did not answer within a few
-  seconds are the dead. A store that cannot be reached says that its host, rank 0 (or the launcher's
-  agent), is gone;
+  seconds are the dead, and the first survivor to conclude writes the verdict for the others to read. A
+  store that cannot be reached says that its host, rank 0 (or the launcher's agent), is gone; so rank 0,
+  before it exits, holds the store until every survivor has read what happened (:meth:`PeerWatchdog.hold_store`);
 - **a rank that stopped answering** (its whole process frozen): the heartbeat times out after the timeout
   and the roll call names the rank.
 
@@ -97,6 +98,7 @@ class PeerWatchdog:
         self._carried = threading.Event()  # a heartbeat that carried this rank's FAILED completed
         self._roll_call_started = threading.Event()
         self._roll_call_s = max(ROLL_CALL_S, 3 * self.period)
+        self._gone: set[int] = set()  # the ranks the watchdog found failed or dead
         self._thread = threading.Thread(target=self._run, name="async_pp watchdog", daemon=True)
 
     def start(self) -> None:
@@ -135,10 +137,27 @@ class PeerWatchdog:
         except Exception:  # noqa: BLE001 - the store's host is gone; the heartbeat still carries the status
             pass
         self._status = FAILED
+        self._gone.add(self.rank)
         self._wake.set()
         deadline = time.monotonic() + wait
         while self.running and not self._carried.is_set() and time.monotonic() < deadline:
             self._carried.wait(POLL_S)
+        self.hold_store(max(0.0, deadline - time.monotonic()))
+
+    def hold_store(self, limit: float | None = None) -> None:
+        """On rank 0, whose process hosts the job's store in a plain launch: return once every other rank that is
+        still alive has read what failed from it (or after ``limit`` seconds, by default the roll call and two
+        heartbeats), so that none of them takes rank 0's exit for the failure. Other ranks return at once."""
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + (limit if limit is not None else self._roll_call_s + 2 * self.period)
+        waiting = [r for r in range(self.world_size) if r != self.rank and r not in self._gone]
+        while waiting and time.monotonic() < deadline:
+            try:
+                waiting = [r for r in waiting if not self.store.check([f"seen/{r}"])]
+            except Exception:  # noqa: BLE001 - the store is not this process's (the launcher's agent holds it)
+                return
+            time.sleep(POLL_S)
 
     def finish(self) -> bool:
         """This rank is done (a normal end): wait until every rank is, at most the timeout.
@@ -213,8 +232,12 @@ class PeerWatchdog:
                 failed = [r for r in range(self.world_size) if self.store.check([f"failed/{r}"])]
                 if failed:
                     return self._failures(failed)
+                if self.store.check(["verdict"]):  # another survivor concluded first
+                    self._gone.update(int(r) for r in self.store.get("gone").decode().split(",") if r)
+                    return self.store.get("verdict").decode()
                 time.sleep(0.2)
             silent = [r for r in range(self.world_size) if not self.store.check([f"alive/{r}"])]
+            self._gone.update(silent)
         except Exception:  # noqa: BLE001 - the store lives in rank 0 (or the launcher's agent)
             return (
                 f"{self.describe(0)} died or stopped responding: the job's rendezvous store, which it hosts, "
@@ -223,12 +246,19 @@ class PeerWatchdog:
         if not silent:
             return f"the heartbeat between the ranks broke ({reason}), but every rank answered"
         names = ", ".join(self.describe(r) for r in silent)
-        return (
+        verdict = (
             f"{names} died or stopped responding without reporting an error (killed, crashed, out of host memory, "
             f"or frozen; see its output and the system log); the heartbeat said: {reason}"
         )
+        try:
+            self.store.set("gone", ",".join(map(str, silent)))  # before the verdict: whoever reads one finds both
+            self.store.set("verdict", verdict)
+        except Exception:  # noqa: BLE001 - its host went in the meantime; this rank still says what it saw
+            pass
+        return verdict
 
     def _failures(self, ranks: list[int]) -> str:
+        self._gone.update(ranks)
         messages = []
         for r in ranks:
             try:
@@ -242,6 +272,10 @@ class PeerWatchdog:
         with self._lock:
             self.peer_failure = message
             claimed = self._claimed
+        try:
+            self.store.set(f"seen/{self.rank}", "1")  # rank 0 may hold the store until every survivor read it
+        except Exception:  # noqa: BLE001 - the store's host is gone; nothing waits for this rank
+            pass
         self._learnt.set()
         if not claimed and self._status != FAILED:
             self.on_failure(message)

@@ -102,3 +102,45 @@ def test_a_claimed_failure_is_left_to_the_main_thread(monkeypatch, claimed):
     dog._thread.join(5)
     assert dog.peer_failure == "stage 0 (rank 2) failed: RuntimeError: out of memory"
     assert calls == ([] if claimed else [dog.peer_failure])
+
+
+def test_a_late_survivor_takes_the_verdict_of_the_first_one(monkeypatch):
+    """Rank 0 concluded the roll call first (and may exit, taking its store along): rank 2 reads its verdict
+    instead of waiting out a roll call of its own."""
+    store = dist.HashStore()
+    peer = _peer_store(store)
+    peer.set("gone", "1")
+    peer.set("verdict", "stage 1 (rank 1) died or stopped responding without reporting an error")
+    _heartbeat(monkeypatch, None, error="Connection reset by peer")
+    monkeypatch.setattr(watchdog_module, "ROLL_CALL_S", 30.0)  # a second roll call would outlast the test
+    dog, calls, called = _watchdog(store, rank=2)
+    dog.start()
+    assert called.wait(5)
+    assert calls == ["stage 1 (rank 1) died or stopped responding without reporting an error"]
+    assert peer.check(["seen/2"])  # what rank 0 waits for before it exits
+
+
+def test_rank_0_holds_the_store_until_every_survivor_read_it(monkeypatch):
+    store = dist.HashStore()
+    peer = _peer_store(store)
+    _heartbeat(monkeypatch, None, error="Connection closed by peer")
+    dog, _, called = _watchdog(store, rank=0)
+    peer.set("alive/2", "1")  # rank 1 is dead, rank 2 answered the roll call
+    dog.start()
+    assert called.wait(5)
+    read = threading.Event()
+
+    def rank_2_reads_later() -> None:
+        read.wait(0.5)
+        peer.set("seen/2", "1")
+        read.set()
+
+    threading.Thread(target=rank_2_reads_later).start()
+    dog.hold_store(limit=10)
+    assert read.is_set() and peer.check(["seen/2"])
+
+
+def test_other_ranks_do_not_hold_the_store(monkeypatch):
+    _heartbeat(monkeypatch, {1: FINISHED, 2: FINISHED})
+    dog, _, _ = _watchdog(dist.HashStore(), rank=1)
+    dog.hold_store(limit=1e6)  # returns at once: a hang here is the failure
