@@ -9,25 +9,34 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sized
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.runtime.contract import require_pipeline_module
+from lightning_async_pp.runtime.microbatch import auto_num_microbatches
 from lightning_async_pp.runtime.recompute import select_layers
 from lightning_async_pp.schedule import SCHEDULES, validate
 from lightning_async_pp.schedule.ir import is_int
 from lightning_async_pp.strategy.lifecycle import check_gradient_clipping_hook
-from lightning_async_pp.strategy.placement import partition_layers
+from lightning_async_pp.strategy.placement import check_timing_input, partition_layers
 from lightning_async_pp.strategy.topology import check_process_count
 
-__all__ = ["check_arguments", "check_pipeline_model", "configure_launcher"]
+__all__ = [
+    "check_arguments",
+    "check_pipeline_model",
+    "check_train_loader",
+    "check_trainer_settings",
+    "configure_launcher",
+]
 
 
 def check_arguments(
@@ -48,6 +57,70 @@ def check_arguments(
         raise ValueError(f"`pipeline_parallel_size` must be a positive integer, got {pipeline_parallel_size!r}.")
 
 
+def check_trainer_settings(strategy: Any, trainer: Trainer) -> None:
+    """Refuse Trainer settings the strategy cannot run with: before launching, and again in ``setup`` (where a
+    launcher that is not the strategy's, torchrun or SLURM, first sees them)."""
+    if trainer.accumulate_grad_batches != 1:
+        raise MisconfigurationException(
+            "AsyncPipelineStrategy does not support `accumulate_grad_batches` (got "
+            f"{trainer.accumulate_grad_batches}): set it to 1 and raise `num_microbatches` (with a larger "
+            "batch size) instead; micro-batches already accumulate gradients within a step."
+        )
+    if strategy.multi_process and trainer.gradient_clip_algorithm not in (None, "norm"):
+        raise MisconfigurationException(
+            f"AsyncPipelineStrategy clips by the global gradient norm only; got gradient_clip_algorithm="
+            f"{getattr(trainer.gradient_clip_algorithm, 'value', trainer.gradient_clip_algorithm)!r}. Set it to 'norm'."
+        )
+
+
+def check_train_loader(
+    loader: Any,
+    num_microbatches: int | None,
+    num_stages: int,
+    replicas: int,
+    max_steps: int = -1,
+    limit_batches: int | float = 1.0,
+) -> None:
+    """Refuse a training ``DataLoader`` whose batches cannot be cut into equal micro-batches, the last batch of an
+    epoch included, before training starts rather than at the end of the first epoch. Loaders whose batches are not
+    known in advance (an iterable dataset, a batch sampler of the user's) are checked batch by batch in training.
+
+    Args:
+        loader: What ``fit`` got as ``train_dataloaders``.
+        num_microbatches: Micro-batches per batch (``None``: ``"auto"``, chosen from the first batch).
+        num_stages: Pipeline stages (``"auto"`` takes at least one micro-batch per stage).
+        replicas: Data-parallel replicas, each reading ``ceil(len(dataset) / replicas)`` samples an epoch.
+        max_steps: The Trainer's ``max_steps``: a run that ends before the last batch of the first epoch is not
+            refused for that batch (neither is one whose ``limit_train_batches`` leaves it out).
+        limit_batches: The Trainer's ``limit_train_batches``.
+    """
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or not isinstance(loader.dataset, Sized):
+        return
+    size = loader.batch_size
+    if num_microbatches is None:
+        num_microbatches = auto_num_microbatches(size, num_stages)
+    if size % num_microbatches:
+        raise ValueError(
+            f"The training DataLoader's batch_size={size} cannot be split into num_microbatches={num_microbatches} "
+            "equal micro-batches. Make the batch size a multiple of `num_microbatches`, or change `num_microbatches`."
+        )
+    samples = math.ceil(len(loader.dataset) / replicas)
+    last = samples % size
+    batches = math.ceil(samples / size)
+    if isinstance(limit_batches, float):  # Lightning: a float is a fraction of the epoch, an int a batch count
+        reached = limit_batches >= 1.0
+    else:
+        reached = limit_batches is None or limit_batches >= batches
+    reached = reached and (max_steps is None or max_steps < 0 or max_steps >= batches)
+    if reached and last and not loader.drop_last and last % num_microbatches:
+        per_replica = f" per replica (of {replicas})" if replicas > 1 else ""
+        raise ValueError(
+            f"The last batch of every epoch holds {last} samples ({samples} samples{per_replica} in batches of "
+            f"{size}), which num_microbatches={num_microbatches} cannot split into equal micro-batches. Set "
+            "`DataLoader(drop_last=True)`, or use a dataset whose length is a multiple of the batch size."
+        )
+
+
 def check_pipeline_model(strategy: Any, module: LightningModule) -> None:
     """Raise a clear error if ``module`` cannot be trained as ``strategy``'s pipeline."""
     precision = strategy.precision_plugin.precision if strategy.precision_plugin is not None else "32-true"
@@ -62,7 +135,8 @@ def check_pipeline_model(strategy: Any, module: LightningModule) -> None:
     if strategy.multi_process:
         require_pipeline_module(module, f"needed to cut it into {strategy.num_stages} stages")
         check_gradient_clipping_hook(module)
-        if strategy.balance == "time":  # measured in `setup`; here only the layer count
+        if strategy.balance == "time" and strategy.split_points is None:  # measured in `setup`: here the input
+            check_timing_input(module)  # and the layer count
             partition_layers(list(module.pipeline_layers()), strategy.num_stages, costs=None)
         else:
             strategy.layer_partition(module)
@@ -88,8 +162,16 @@ def configure_launcher(strategy: Any) -> _Launcher | None:
 
 def _checked_launch(strategy: Any, launch: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
     # `fit(model, ...)`: find configuration errors here, before any other process starts.
+    trainer = kwargs.get("trainer")
+    if trainer is not None:
+        check_trainer_settings(strategy, trainer)
     if args and isinstance(args[0], LightningModule):
         strategy.check_model(args[0])
+    replicas = max(1, strategy.num_processes * strategy.num_nodes // strategy.num_stages)
+    microbatches = None if strategy.auto_microbatches else strategy.num_microbatches
+    limits = {} if trainer is None else {"max_steps": trainer.max_steps, "limit_batches": trainer.limit_train_batches}
+    loader = _argument(function, "train_dataloaders", args, kwargs)
+    check_train_loader(loader, microbatches, strategy.num_stages, replicas, **limits)
     ckpt_path = _argument(function, "ckpt_path", args, kwargs)
     if ckpt_path is not None:
         check_checkpoint_path(ckpt_path)

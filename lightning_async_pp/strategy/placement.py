@@ -380,6 +380,13 @@ def layer_costs(
         return None
     if not isinstance(balance, str):
         return balance
+    example = check_timing_input(module)
+    costs = measure_layer_times(layers, example, device=measure_on) if rank == 0 else None
+    return broadcast(costs)
+
+
+def check_timing_input(module: LightningModule) -> Tensor:
+    """The input ``balance='time'`` times the layers on: the module's ``example_input_array``, which must be set."""
     example = getattr(module, "example_input_array", None)
     if not isinstance(example, Tensor):
         raise MisconfigurationException(
@@ -387,8 +394,7 @@ def layer_costs(
             "`self.example_input_array` in your LightningModule to the first layer's input for one "
             "micro-batch, or use balance='parameters' or explicit `split_points`."
         )
-    costs = measure_layer_times(layers, example, device=measure_on) if rank == 0 else None
-    return broadcast(costs)
+    return example
 
 
 META = torch.device("meta")

@@ -107,11 +107,6 @@ def training_runtime(strategy: Any, trainer: Trainer) -> StageRuntime:
         strategy: The ``AsyncPipelineStrategy``, its stage placed and its optimizer set up.
         trainer: The Trainer (its gradient clipping, and the hooks run before each update).
     """
-    if trainer.gradient_clip_algorithm not in (None, "norm"):
-        raise MisconfigurationException(
-            f"AsyncPipelineStrategy clips by the global gradient norm only; got gradient_clip_algorithm="
-            f"{trainer.gradient_clip_algorithm!r}. Set it to 'norm'."
-        )
     optimizers = strategy.optimizers
     if len(optimizers) != 1:
         raise MisconfigurationException(

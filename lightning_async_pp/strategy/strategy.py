@@ -23,7 +23,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -44,7 +43,12 @@ from lightning_async_pp.strategy.checkpointing import (
     sharded_checkpoint_io,
 )
 from lightning_async_pp.strategy.failure import FailureGuard
-from lightning_async_pp.strategy.launch import check_arguments, check_pipeline_model, configure_launcher
+from lightning_async_pp.strategy.launch import (
+    check_arguments,
+    check_pipeline_model,
+    check_trainer_settings,
+    configure_launcher,
+)
 from lightning_async_pp.strategy.lifecycle import (
     ResumableLoader,
     local_seed,
@@ -244,12 +248,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
-                "AsyncPipelineStrategy does not support `accumulate_grad_batches` (got "
-                f"{trainer.accumulate_grad_batches}): set it to 1 and raise `num_microbatches` (with a larger "
-                "batch size) instead; micro-batches already accumulate gradients within a step."
-            )
+        check_trainer_settings(self, trainer)
         module = self.lightning_module
         self.check_model(module)
         use_pipeline_summary(trainer)  # one table of every stage, not this rank's stage only
