@@ -10,7 +10,7 @@ from lightning_async_pp.strategy.launch import check_train_loader
 from tests.fixtures.helpers import loader, random_batches, tiny_gpt
 
 
-def trainer(devices=2, **strategy_kwargs):
+def trainer(devices=2, trainer_kwargs=None, **strategy_kwargs):
     strategy_kwargs.setdefault("num_microbatches", 4)
     # "spawn": had a check been missed, workers would run the fit function, not re-run pytest.
     return Trainer(
@@ -19,7 +19,7 @@ def trainer(devices=2, **strategy_kwargs):
         devices=devices,
         logger=False,
         enable_progress_bar=False,
-        max_steps=1,
+        **{"max_steps": 1, **(trainer_kwargs or {})},
     )
 
 
@@ -89,17 +89,8 @@ def no_launch(monkeypatch):
     ids=["clip-by-value", "accumulate"],
 )
 def test_trainer_settings_are_refused_before_any_process_starts(no_launch, trainer_kwargs, match):
-    t = Trainer(
-        strategy=AsyncPipelineStrategy(start_method="spawn", num_microbatches=4),
-        accelerator="cpu",
-        devices=2,
-        logger=False,
-        enable_progress_bar=False,
-        max_steps=1,
-        **trainer_kwargs,
-    )
     with pytest.raises(Exception, match=match):
-        t.fit(tiny_gpt(), loader(random_batches(1)))
+        trainer(trainer_kwargs=trainer_kwargs).fit(tiny_gpt(), loader(random_batches(1)))
 
 
 def test_time_balance_without_an_example_input_is_refused_before_any_process_starts(no_launch):
@@ -144,13 +135,6 @@ def test_a_loader_whose_batches_split_or_are_never_reached_passes(loader, limits
 
 def test_a_short_last_batch_is_refused_before_any_process_starts(no_launch):
     tokens, targets = random_batches(1, batch_size=10)[0]
-    t = Trainer(
-        strategy=AsyncPipelineStrategy(start_method="spawn", num_microbatches=4),
-        accelerator="cpu",
-        devices=2,
-        logger=False,
-        enable_progress_bar=False,
-        max_epochs=1,
-    )
+    t = trainer(trainer_kwargs={"max_steps": -1, "max_epochs": 1})
     with pytest.raises(ValueError, match=r"holds 2 samples \(10 samples in batches of 4\).*drop_last=True"):
         t.fit(tiny_gpt(), DataLoader(TensorDataset(tokens, targets), batch_size=4))
