@@ -46,7 +46,10 @@ def waiting_message(
             "If every process runs on this machine, set `num_nodes=1` (`--trainer.num_nodes 1`)."
         )
     else:
-        text += " A process of this machine has not started or has failed (see its error above)."
+        text += (
+            " Each process joins once it has started (Python imports, its model built), which can take a while on"
+            " a busy machine; one that failed before joining has printed its error above."
+        )
     return text
 
 

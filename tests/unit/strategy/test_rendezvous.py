@@ -36,5 +36,8 @@ def test_a_quick_rendezvous_says_nothing(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_one_node_points_at_the_failed_process():
-    assert "has not started or has failed" in waiting_message(2, 1, 2, 0, "127.0.0.1", 1234)
+def test_one_node_explains_a_slow_start_and_points_at_a_failed_process():
+    """Said after a few seconds of a healthy start too: it must not claim that a process failed."""
+    message = waiting_message(2, 1, 2, 0, "127.0.0.1", 1234)
+    assert "joins once it has started" in message and "failed before joining has printed its error" in message
+    assert "has failed" not in message
