@@ -18,12 +18,21 @@ peer is waiting for blocks both ranks for good; batching lets the two run togeth
 :func:`lightning_async_pp.schedule.posting_plan` gives, which
 :func:`lightning_async_pp.schedule.check_transfers` proves free of deadlocks under those
 semantics. Sends never block the sender.
+
+A posted send keeps its tensors referenced until it is known to be complete. NCCL's works say so
+(``is_completed``); gloo's never do before ``wait()``, and a gloo send's ``wait()`` blocks until the peer has
+posted the matching receive. So the runtime tells a channel which of its messages the peer has certainly
+received (:meth:`Channel.peer_received`, from what the schedule implies about a message it got back), and
+the channel then waits for those sends, which returns at once, and lets their tensors go. Without that a
+run on gloo would hold every activation it sent until the next drain.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,16 +119,19 @@ class Channel:
         self._posted: _Receive | None = None
         self._recv_layout: Layout | None = None
         self._send_layout: Layout | None = None
-        self._sends: list[tuple[list[dist.Work], list[Tensor]]] = []
+        self._sends: deque[tuple[Any, list[dist.Work], list[Tensor]]] = deque()  # (tag, works, tensors), in order
 
     # --- sending -----------------------------------------------------------------------------------------
 
-    def send(self, tensors: Sequence[Tensor], post_recv: bool = False) -> None:
+    def send(self, tensors: Sequence[Tensor], post_recv: bool = False, tag: Any = None) -> None:
         """Post a non-blocking send of one message; the tensors stay referenced until it completes.
 
         Args:
             tensors: The message.
             post_recv: Also post the next receive from the peer, in the same batch (see the module docstring).
+            tag: Names the message for :meth:`peer_received` (e.g. its step and micro-batch); tags must grow
+                from one message to the next. ``None``: the send is let go only by :meth:`wait_sends` or once
+                its work says it completed.
         """
         tensors = [t.detach().contiguous() for t in tensors]
         layout = layout_of(tensors)
@@ -151,12 +163,29 @@ class Channel:
             else:
                 receive.works = works
             self._posted = receive
-        self._sends = [entry for entry in self._sends if not all(w.is_completed() for w in entry[0])]
-        self._sends.append((send_works, keep))
+        sends = self._sends
+        while sends and all(w.is_completed() for w in sends[0][1]):  # NCCL's works say so; gloo's never do
+            sends.popleft()
+        sends.append((tag, send_works, keep))
+
+    def peer_received(self, through: Any) -> None:
+        """The peer has received every message sent with a tag ``<= through``: let their sends go.
+
+        Waiting for such a send does not block (its receive has matched), on gloo as on NCCL.
+        """
+        sends = self._sends
+        while sends and sends[0][0] is not None and sends[0][0] <= through:
+            for work in sends.popleft()[1]:
+                self._wait(work)
+
+    @property
+    def pending_sends(self) -> int:
+        """Messages whose sends are still held (their tensors referenced)."""
+        return len(self._sends)
 
     def wait_sends(self) -> None:
         """Wait for every posted send (before the pipeline is considered empty)."""
-        for works, _ in self._sends:
+        for _, works, _ in self._sends:
             for work in works:
                 self._wait(work)
         self._sends.clear()

@@ -424,11 +424,19 @@ class StageRuntime:
     def _recv_forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
         self._received[key] = self._receive_input(key)
+        # The previous stage ran this forward on version `a.version`, after the update that made it, which had
+        # consumed the gradients of step `a.version - 1` and earlier: every gradient this stage sent for those
+        # steps has been received.
+        self.prev.peer_received((a.version - 1, self.num_microbatches))
         if post_next:
             self.prev.prefetch()
 
     def _recv_backward(self, a: Action, post_next: bool) -> None:
-        self._input_grads[(a.step, a.microbatch)] = self.next.recv()
+        key = (a.step, a.microbatch)
+        self._input_grads[key] = self.next.recv()
+        # A gradient for this micro-batch means the next stage ran its forward: it received this stage's
+        # activations for it and, a link being in order, all before them.
+        self.next.peer_received(key)
         if post_next:
             self.next.prefetch()
 
@@ -438,12 +446,13 @@ class StageRuntime:
         data_fingerprint = self._fingerprints.pop(key, None)
         if data_fingerprint is not None:
             message = [*message, data_fingerprint]
-        self.next.send(message, post_recv=post_next)
+        self.next.send(message, post_recv=post_next, tag=key)
 
     def _send_backward(self, a: Action, post_next: bool) -> None:
         # A message holds at least one tensor: an input without gradients answers with an empty one.
-        grads = self._input_grads.pop((a.step, a.microbatch)) or [torch.zeros(0, device=self.device)]
-        self.prev.send(grads, post_recv=post_next)
+        key = (a.step, a.microbatch)
+        grads = self._input_grads.pop(key) or [torch.zeros(0, device=self.device)]
+        self.prev.send(grads, post_recv=post_next, tag=key)
 
     def _update(self, a: Action, post_next: bool) -> None:
         self.updates.start(a.step)
