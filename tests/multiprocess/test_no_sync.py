@@ -4,7 +4,6 @@ would make the host wait for a GPU (reading a tensor's value on the host) during
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import tempfile
 from pathlib import Path
@@ -13,9 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
-from lightning_async_pp.runtime.stage import StageRuntime
+from tests.fixtures.stages import linear_stage
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,29 +44,8 @@ def count_syncs(counter: dict):
 
 
 def _stage(rank: int, world: int, init_file: str, kind: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
-    p2p, norm = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-    torch.manual_seed(rank)
-    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-    runtime = StageRuntime(
-        kind=kind,
-        stage=rank,
-        num_stages=world,
-        num_microbatches=4,
-        layers=[layer],
-        optimizer=torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9),
-        inputs_fn=lambda mb: mb,
-        loss_fn=lambda output, mb: (output - mb).pow(2).mean(),
-        device=torch.device("cpu"),
-        prev_rank=rank - 1 if rank > 0 else None,
-        next_rank=rank + 1 if rank < world - 1 else None,
-        clip_grad_norm=1.0,
-        norm_group=norm,
-        p2p_group=p2p,
-    )
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    runtime = linear_stage(rank, world, init_file, kind, 4, optimizer=optimizer, clip_grad_norm=1.0)
     generator = torch.Generator().manual_seed(0)
     counts = []
     for step in range(STEPS):

@@ -5,7 +5,6 @@ holds after every step: the count must stop growing once the pipeline is full.""
 
 from __future__ import annotations
 
-import datetime
 import json
 import tempfile
 from pathlib import Path
@@ -14,9 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
-from lightning_async_pp.runtime.stage import StageRuntime
+from tests.fixtures.stages import linear_stage
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,28 +22,7 @@ STEPS, M = 12, 4
 
 
 def _stage(rank: int, world: int, init_file: str, kind: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
-    p2p, norm = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-    torch.manual_seed(rank)
-    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-    runtime = StageRuntime(
-        kind=kind,
-        stage=rank,
-        num_stages=world,
-        num_microbatches=M,
-        layers=[layer],
-        optimizer=torch.optim.SGD(layer.parameters(), lr=0.1),
-        inputs_fn=lambda mb: mb,
-        loss_fn=lambda output, mb: (output - mb).pow(2).mean(),
-        device=torch.device("cpu"),
-        prev_rank=rank - 1 if rank > 0 else None,
-        next_rank=rank + 1 if rank < world - 1 else None,
-        norm_group=norm,
-        p2p_group=p2p,
-    )
+    runtime = linear_stage(rank, world, init_file, kind, M)
     generator = torch.Generator().manual_seed(0)
     held = []
     for step in range(STEPS):
