@@ -155,7 +155,7 @@ class PeerWatchdog:
         while waiting and time.monotonic() < deadline:
             try:
                 waiting = [r for r in waiting if not self.store.check([f"seen/{r}"])]
-            except Exception:  # noqa: BLE001 - the store is not this process's (the launcher's agent holds it)
+            except Exception:  # noqa: BLE001 - the store cannot be reached: nobody can read it any more
                 return
             time.sleep(POLL_S)
 
