@@ -1,7 +1,7 @@
 """Cost per step of the micro-batch fingerprint that guards the data order between stages.
 
-Each stage computes :func:`~lightning_async_pp.runtime.fingerprint.fingerprint` of each of its ``M``
-micro-batches and (except the first) compares it with the one received
+Each stage computes :func:`~lightning_async_pp.runtime.fingerprint.step_fingerprints` of its step's ``M``
+micro-batches in one pass and (except the first) compares them with the ones received
 (:class:`~lightning_async_pp.runtime.fingerprint.FingerprintCheck`). This script times that work for one step,
 interleaved round by round with the forward and backward of one stage of the quickstart GPT (the first half of
 its layers, on the same micro-batches), and reports the medians and their ratio. A second case times the
@@ -21,14 +21,13 @@ import torch
 from bench_common import machine_description, save_report
 
 from lightning_async_pp.demos import GPT
-from lightning_async_pp.runtime.fingerprint import FingerprintCheck, fingerprint
+from lightning_async_pp.runtime.fingerprint import FingerprintCheck, step_fingerprints
 from lightning_async_pp.runtime.microbatch import split_microbatches
 
 
-def fingerprint_step(microbatches: list) -> None:
-    for index, microbatch in enumerate(microbatches):
-        mine = fingerprint(microbatch)
-        FingerprintCheck(mine, mine.clone(), 0, index, 1).raise_if_different()
+def fingerprint_step(batch, num_microbatches: int) -> None:
+    mine = step_fingerprints(batch, num_microbatches)
+    FingerprintCheck(mine, mine.clone(), 0, 1).raise_if_different()
 
 
 def stage_step(layers: list[torch.nn.Module], microbatches: list) -> None:
@@ -71,9 +70,9 @@ def main(argv=None) -> dict:
     samples: dict[str, list[float]] = {"fingerprint": [], "stage": [], "image_fingerprint": []}
     for round_ in range(args.warmup + args.rounds):
         times = {
-            "fingerprint": timed(fingerprint_step, microbatches),
+            "fingerprint": timed(fingerprint_step, batch, args.microbatches),
             "stage": timed(stage_step, stage_layers, microbatches),
-            "image_fingerprint": timed(fingerprint_step, [images]),
+            "image_fingerprint": timed(fingerprint_step, images, 1),
         }
         model.zero_grad(set_to_none=True)
         if round_ >= args.warmup:

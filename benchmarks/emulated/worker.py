@@ -105,6 +105,7 @@ def ours_runner(name: str, rank: int, P: int, M: int, spec: dict[str, Any], grou
         next_rank=rank + 1 if rank < P - 1 else None,
         p2p_group=groups["ours_p2p"],
         norm_group=groups["ours_norm"],
+        order_group=groups["ours_order"],
         check_finite=True,
     )
     stash, calls = Stash(), Calls()
@@ -207,7 +208,7 @@ def run_cell(runner: Runner, warmup: int, steps: int) -> dict[str, Any]:
 def _groups() -> dict[str, Any]:
     # Own groups for each kind of traffic: gloo numbers a group's collectives with the tags its
     # point-to-point messages use, and the barriers between cells run on the default group.
-    return {"torch": dist.new_group(), "ours_p2p": dist.new_group(), "ours_norm": dist.new_group()}
+    return {name: dist.new_group() for name in ("torch", "ours_p2p", "ours_norm", "ours_order")}
 
 
 def plan(spec: dict[str, Any]) -> list[tuple[int, int, str]]:

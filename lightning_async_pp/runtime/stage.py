@@ -36,8 +36,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -45,12 +43,13 @@ from lightning_async_pp.runtime import activations
 from lightning_async_pp.runtime.activations import Spec
 from lightning_async_pp.runtime.comm import Channel
 from lightning_async_pp.runtime.contract import StageModule
-from lightning_async_pp.runtime.fingerprint import FingerprintCheck, fingerprint
+from lightning_async_pp.runtime.data_order import DataOrderLink
 from lightning_async_pp.runtime.host_flag import HostFlag
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.timing import StepStats, StepTimer
 from lightning_async_pp.runtime.updates import UpdateDriver
+from lightning_async_pp.runtime.versions_swap import ParameterSwap
 from lightning_async_pp.runtime.weights import WeightVersions
 from lightning_async_pp.schedule import Action, Op, drain_actions, posting_plan, step_actions, validate
 
@@ -98,11 +97,14 @@ class StageRuntime:
         trace: Record the start and end time of every action (the last ``trace_window`` actions).
         trace_window: How many actions the trace keeps (a sliding window, so long runs stay bounded).
         start_version: Weight version the parameters hold (non-zero when resuming).
-        check_data_order: Send a fingerprint of each micro-batch with its activation and stop with
-            :class:`~lightning_async_pp.runtime.fingerprint.DataOrderError` when a stage's own micro-batch does
-            not match the previous stage's. On CPU the check stops the micro-batch before its forward; on a GPU
-            the result is read without waiting for the device, at the latest two steps later and at every
-            :meth:`drain`. Every stage of a pipeline must agree on it.
+        check_data_order: Send the fingerprints of each step's micro-batches to the next stage and stop with
+            :class:`~lightning_async_pp.runtime.fingerprint.DataOrderError` when a stage's own micro-batches do
+            not match the previous stage's (:mod:`~lightning_async_pp.runtime.data_order`). On CPU the check
+            stops the step before its first forward; on a GPU the result is read without waiting for the
+            device, at the latest two steps later and at every :meth:`drain`. Every stage of a pipeline must
+            agree on it; with more than one stage it needs ``order_group``.
+        order_group: Process group of the pipeline's stages for the data-order messages only (one per step and
+            link), so that they never queue behind activations.
         before_update: Called once per step when the stage's gradient of that step is complete (averaged over
             the replicas, not yet clipped), with the gradient in the parameters' ``.grad``, before the norm for
             clipping is taken and the update applied. It may read or change the gradients in place. A tied
@@ -138,6 +140,7 @@ class StageRuntime:
     before_update: Callable[[], None] | None = None
     ties: TiedGradients | None = None
     check_data_order: bool = True
+    order_group: Any = None
     trace_window: int = 20_000
     observers: Sequence[Observer] = ()
 
@@ -146,6 +149,7 @@ class StageRuntime:
         self.module = StageModule(*self.layers)
         self.params = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
         self.weights = WeightVersions(self.params, 2 if self.kind == "2bw" else 1, self.start_version)
+        self._swap = ParameterSwap(self.module, self.params)
         self.updates: UpdateDriver | None = None
         if self.optimizer is not None:
             self.updates = UpdateDriver(
@@ -181,8 +185,16 @@ class StageRuntime:
         self._send_spec: Spec | None = None  # of the messages to the next stage, fixed once per layout
         self._losses: dict[int, list[Tensor]] = {}
         self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
-        self._fingerprints: dict[Key, Tensor] = {}  # received from the previous stage, then this stage's to send
-        self._order_checks: collections.deque[tuple[int, FingerprintCheck]] = collections.deque()
+        self._order: DataOrderLink | None = None
+        if self.check_data_order and self.num_stages > 1:
+            if self.order_group is None:
+                raise ValueError(
+                    "check_data_order=True needs `order_group`, a process group of this pipeline's stages for the "
+                    "data-order messages only (or set check_data_order=False)."
+                )
+            self._order = DataOrderLink(
+                self.stage, self.prev_rank, self.next_rank, self.order_group, self.num_microbatches
+            )
 
     def _link(self, rank: int | None, peer: int) -> Channel | None:
         if rank is None:
@@ -230,13 +242,16 @@ class StageRuntime:
                 "evaluation only, so it cannot train: `run_step` needs an optimizer over the stage's parameters."
             )
         self._read_finite_checks(wait_beyond=2)
-        self._read_order_checks(oldest_step=step - 2)
+        if self._order is not None:
+            self._order.read_checks(oldest_step=step - 2)
         if self.run_start is None:
             self.run_start = step
             self._forget_layouts()  # evaluation may have sent other shapes since the last run
         self.timer.begin_step(step)
         self.updates.hyperparameters.observe(step)
         self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
+        if self._order is not None:
+            self._order.start_step(step, batch)
         self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
         self.last_step = step
         del self._microbatches[step]
@@ -274,8 +289,10 @@ class StageRuntime:
         for channel in (self.prev, self.next):
             if channel is not None:
                 channel.wait_sends()
+        if self._order is not None:
+            self._order.wait_sends()
+            self._order.read_checks(oldest_step=None)
         self._read_finite_checks(wait_beyond=0)
-        self._read_order_checks(oldest_step=None)
         self.timer.resolve(wait_beyond=0)
         self.run_start = None
         if self.updates is not None:
@@ -316,12 +333,8 @@ class StageRuntime:
                 channel.forget_layout()
         self._recv_spec = self._send_spec = None
 
-    def _receive_input(self, key: Key | None = None) -> tuple[Any, Spec]:
-        message = self.prev.recv()
-        if key is not None and self.check_data_order:
-            # A training message ends with the fingerprint of its micro-batch (see `_check_data_order`).
-            self._fingerprints[key], message = message[-1], message[:-1]
-        value, self._recv_spec = activations.read_message(message, self._recv_spec)
+    def _receive_input(self) -> tuple[Any, Spec]:
+        value, self._recv_spec = activations.read_message(self.prev.recv(), self._recv_spec)
         return value, self._recv_spec
 
     def _output_message(self, y: Any) -> tuple[list[Tensor], Spec]:
@@ -342,13 +355,6 @@ class StageRuntime:
         while checks and (len(checks) > wait_beyond or checks[0].ready()):
             checks.popleft().raise_if_not_finite()
 
-    def _read_order_checks(self, oldest_step: int | None) -> None:
-        """Raise for a data-order mismatch the device has reported; wait for checks of steps before ``oldest_step``
-        (all if ``None``)."""
-        checks = self._order_checks
-        while checks and (oldest_step is None or checks[0][0] < oldest_step or checks[0][1].ready()):
-            checks.popleft()[1].raise_if_different()
-
     # --- the interpreter -------------------------------------------------------------------------------
 
     def _execute(self, actions: list[Action]) -> None:
@@ -359,14 +365,19 @@ class StageRuntime:
             self._channel(op).prefetch()
         timer = self.timer
         observers = [*self._observers.values(), *_OBSERVERS.values()]
+        # Labelling each action for torch.profiler costs a dispatcher call on enter and exit: only while one records.
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        handlers = self._HANDLERS
         for index, action in enumerate(actions):
-            label = str(action)
             begin = timer.clock.mark() if timer.active else None
             start = time.perf_counter() if observers else 0.0
-            with torch.profiler.record_function(f"pipeline {label}"):
-                self._HANDLERS[action.op](self, action, plan.post_next[index])
+            if profiling:
+                with torch.profiler.record_function(f"pipeline {action}"):
+                    handlers[action.op](self, action, plan.post_next[index])
+            else:
+                handlers[action.op](self, action, plan.post_next[index])
             if begin is not None:
-                timer.record(action, label, begin, timer.clock.mark())
+                timer.record(action, begin, timer.clock.mark())
             if observers:
                 end = time.perf_counter()
                 for observer in observers:
@@ -379,8 +390,8 @@ class StageRuntime:
         key = (a.step, a.microbatch)
         self.updates.complete(up_to_version=a.version)
         microbatch = self._microbatches[a.step][a.microbatch]
-        if self.check_data_order and self.num_stages > 1:
-            self._check_data_order(key, microbatch)
+        if a.microbatch == 0 and self._order is not None:
+            self._order.check(a.step)  # before the step's first forward
         x_spec = None
         if self.is_first:
             x = self.inputs_fn(microbatch)
@@ -389,7 +400,8 @@ class StageRuntime:
             activations.with_grad_inputs(x, x_spec)
         weights = self.weights.pin(a.step, a.version)
         with self.forward_context():
-            y = functional_call(self.module, weights, (x, microbatch))
+            with self._swap(weights):
+                y = self.module(x, microbatch)
             if self.is_last:
                 y = self.loss_fn(y, microbatch)
                 self._losses.setdefault(a.step, []).append(y.detach())
@@ -397,20 +409,11 @@ class StageRuntime:
         self._inflight[key] = (x, x_spec, y, y_spec)
         self._pinned[key] = weights
 
-    def _check_data_order(self, key: Key, microbatch: Any) -> None:
-        """Compare this stage's micro-batch with the previous stage's; keep this stage's fingerprint to send on."""
-        mine = fingerprint(microbatch)
-        if not self.is_first:
-            self._order_checks.append((key[0], FingerprintCheck(mine, self._fingerprints.pop(key), *key, self.stage)))
-            self._read_order_checks(oldest_step=key[0] - 2)  # on CPU: this micro-batch's own check, at once
-        if not self.is_last:
-            self._fingerprints[key] = mine
-
     def _backward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
         x, x_spec, y, y_spec = self._inflight.pop(key)
         # A layer that recomputes its forward here must see the weights the forward saw.
-        with _reparametrize_module(self.module, self._pinned.pop(key), tie_weights=True):
+        with self._swap(self._pinned.pop(key)):
             if self.is_last:
                 (y / self.num_microbatches).backward()
             else:
@@ -423,7 +426,7 @@ class StageRuntime:
 
     def _recv_forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
-        self._received[key] = self._receive_input(key)
+        self._received[key] = self._receive_input()
         # The previous stage ran this forward on version `a.version`, after the update that made it, which had
         # consumed the gradients of step `a.version - 1` and earlier: every gradient this stage sent for those
         # steps has been received.
@@ -437,16 +440,14 @@ class StageRuntime:
         # A gradient for this micro-batch means the next stage ran its forward: it received this stage's
         # activations for it and, a link being in order, all before them.
         self.next.peer_received(key)
+        if self._order is not None:
+            self._order.peer_received(a.step)
         if post_next:
             self.next.prefetch()
 
     def _send_forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
-        message = self._output_message(self._inflight[key][2])[0]
-        data_fingerprint = self._fingerprints.pop(key, None)
-        if data_fingerprint is not None:
-            message = [*message, data_fingerprint]
-        self.next.send(message, post_recv=post_next, tag=key)
+        self.next.send(self._output_message(self._inflight[key][2])[0], post_recv=post_next, tag=key)
 
     def _send_backward(self, a: Action, post_next: bool) -> None:
         # A message holds at least one tensor: an input without gradients answers with an empty one.

@@ -90,7 +90,7 @@ class _StepTiming:
     stats: StepStats | None  # None: actions of no step (a drain, an evaluation), kept for the trace only
     start: Any
     end: Any = None
-    actions: list[tuple[str | None, str, Any, Any]] = field(default_factory=list)
+    actions: list[tuple[str | None, Action, Any, Any]] = field(default_factory=list)
 
 
 class StepTimer:
@@ -132,9 +132,9 @@ class StepTimer:
         self._timings.append(timing)
         self.resolve(wait_beyond=2)
 
-    def record(self, action: Action, label: str, begin: Any, end: Any) -> None:
+    def record(self, action: Action, begin: Any, end: Any) -> None:
         """Count one action, which ran from clock mark ``begin`` to ``end``."""
-        entry = (_TIMED.get(action.op), label, begin, end)
+        entry = (_TIMED.get(action.op), action, begin, end)
         if self._step is not None:
             self._step.actions.append(entry)
         else:  # traced, but part of no step's statistics
@@ -149,11 +149,11 @@ class StepTimer:
                 break
             self._timings.popleft()
             stats = timing.stats
-            for name, label, begin, end in timing.actions:
+            for name, action, begin, end in timing.actions:
                 if stats is not None and name is not None:
                     setattr(stats, name, getattr(stats, name) + clock.seconds(begin, end))
                 if self.trace:
-                    self.events.append((label, clock.time(begin), clock.time(end)))
+                    self.events.append((str(action), clock.time(begin), clock.time(end)))
             if stats is not None:
                 stats.wall = clock.seconds(timing.start, timing.end)
                 self._ready.append(stats)

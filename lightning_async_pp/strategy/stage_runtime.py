@@ -96,6 +96,7 @@ def _stage_arguments(strategy: Any) -> dict[str, Any]:
         prev_rank=strategy.rank_of(stage - 1) if stage > 0 else None,
         next_rank=strategy.rank_of(stage + 1) if stage < last else None,
         p2p_group=strategy._groups.p2p,
+        order_group=strategy._groups.order,
         forward_context=strategy.precision_plugin.forward_context,
     )
 

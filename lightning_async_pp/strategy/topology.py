@@ -118,6 +118,8 @@ class ProcessGroups:
         p2p: This replica's pipeline, for activations and gradients.
         norm: The same ranks as ``p2p``, for the clipping norm: gloo numbers a group's collectives with the
             tags point-to-point messages use.
+        order: The same ranks as ``p2p``, for the data-order fingerprints (one message per step and link), so
+            that they never queue behind activations (see :mod:`lightning_async_pp.runtime.data_order`).
         stats: Replica 0's stages (gloo), whose step statistics travel to rank 0.
         metrics: What the last stage logs, relayed to the other stages of its replica (gloo groups of their own).
         checkpoint: Every rank (gloo), so that an asynchronous save never meets training traffic.
@@ -127,22 +129,20 @@ class ProcessGroups:
 
     def __init__(self, dims: PipelineDims, rank: int, backend: str | None, device: torch.device, timeout: Any) -> None:
         stage, replica = dims.stage_of(rank), dims.replica_of(rank)
-        data = p2p = norm = None
+        data = p2p = norm = order = None
         for s in range(dims.num_stages):
             group = dist.new_group(dims.replicas(s), backend=backend, timeout=timeout)
             if s == stage:
                 data = group
         for d in range(dims.data_parallel_size):
             ranks = dims.pipeline(d)
-            pair = (
-                dist.new_group(ranks, backend=backend, timeout=timeout),
-                dist.new_group(ranks, backend=backend, timeout=timeout),
-            )
+            made = [dist.new_group(ranks, backend=backend, timeout=timeout) for _ in range(3)]
             if d == replica:
-                p2p, norm = pair
+                p2p, norm, order = made
         self.data: dist.ProcessGroup = data
         self.p2p: dist.ProcessGroup = p2p
         self.norm: dist.ProcessGroup = norm
+        self.order: dist.ProcessGroup = order
         self.stats: dist.ProcessGroup = dist.new_group(dims.pipeline(0), backend="gloo", timeout=timeout)
         pipelines = [dims.pipeline(d) for d in range(dims.data_parallel_size)]
         self.metrics: MetricsRelay = MetricsRelay.for_pipelines(pipelines, rank, device, timeout)
