@@ -63,7 +63,7 @@ def _pageable(t: Tensor) -> bool:
 
 
 def _names_a_device(args, kwargs) -> bool:
-    """Whether ``Tensor.to``'s arguments name a device (a dtype alone converts in place, on the same device)."""
+    """Whether ``Tensor.to``'s arguments name a device (a dtype alone converts on the same device)."""
     if kwargs.get("device") is not None:
         return True
     return any(isinstance(a, (torch.device, str, int, Tensor)) and not isinstance(a, bool) for a in args)
@@ -84,7 +84,8 @@ def count_host_copies(counter: dict):
             if name != "as_tensor" or not isinstance(data, Tensor) or kwargs.get("device") is not None:
                 count(f"torch.{name}")
             out = fn(data, *args, **kwargs)
-            out._host_made = True
+            if not isinstance(data, Tensor):  # `as_tensor` may return `data` itself
+                out._host_made = True
             return out
 
         return counted
@@ -201,7 +202,8 @@ def _build(rank: int, case: Case) -> StageRuntime | None:
     if not member:
         return None
     torch.manual_seed(stage)
-    layer = Layer("tensor" if stage == stages - 1 else case.payload, torch.int16 if case.payload == "dict" else torch.int64)
+    ids_dtype = torch.int16 if case.payload == "dict" else torch.int64
+    layer = Layer("tensor" if stage == stages - 1 else case.payload, ids_dtype)
     params = dict(nn.Sequential(layer).named_parameters())
     broadcast_ties(ties, stage, params, tie_groups, sources)
     return StageRuntime(
