@@ -15,7 +15,9 @@ tensor, so that the receiver knows which tensors to narrow.
 
 The spec is decoded once per negotiated layout (the receiver reads it when the layout was just learnt, at a
 run start or for an evaluation batch), so the steady state reads nothing on the host; the sender checks
-that the structure does not change while the layout stays the same.
+that the structure does not change while the layout stays the same. The sender copies each spec to the device
+once and sends that same tensor with every later message of that spec, so the steady state copies nothing
+from the host either.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class Spec:
     keys: tuple[str, ...] = ()
     grads: tuple[bool, ...] = ()
     widened: tuple[bool, ...] = ()
+
+
+# The encoded spec per (spec, device) (see `encoded`): a few per model, one per distinct payload structure.
+_ENCODED: dict[tuple[Spec, torch.device], Tensor] = {}
 
 
 def flatten(value: Any) -> tuple[list[Tensor], Spec]:
@@ -104,7 +110,11 @@ def decode(tensor: Tensor) -> Spec:
 
 
 def message(value: Any) -> tuple[list[Tensor], Spec]:
-    """The tensors to send for ``value`` (a plain tensor alone, otherwise followed by its encoded spec)."""
+    """The tensors to send for ``value`` (a plain tensor alone, otherwise followed by its encoded spec).
+
+    The encoded spec is the same device tensor for every message of one spec (see :func:`encoded`): callers
+    must not write to it.
+    """
     tensors, spec = flatten(value)
     widened = tuple(t.dtype in WIDENED for t in tensors)
     if any(widened):
@@ -112,7 +122,22 @@ def message(value: Any) -> tuple[list[Tensor], Spec]:
         tensors = [t.to(WIDENED[t.dtype]) if w else t for t, w in zip(tensors, widened)]
     elif spec.kind == "tensor":
         return tensors, spec
-    return [*tensors, encode(spec).to(tensors[0].device)], spec
+    return [*tensors, encoded(spec, tensors[0].device)], spec
+
+
+def encoded(spec: Spec, device: torch.device) -> Tensor:
+    """:func:`encode` of ``spec``, on ``device``: built and copied there once, then the same tensor every time.
+
+    Every message of a multi-tensor payload carries its spec, but the receiver reads it only when it learns a
+    layout; copying it from host memory for each micro-batch would cost a pageable host-to-device copy (and,
+    on CUDA, a wait for the host's data) per send. The tensor is only read, by the sends, so one copy serves
+    every message.
+    """
+    key = (spec, device)
+    tensor = _ENCODED.get(key)
+    if tensor is None:
+        tensor = _ENCODED[key] = encode(spec).to(device)
+    return tensor
 
 
 def read_message(tensors: Sequence[Tensor], known: Spec | None) -> tuple[Any, Spec]:

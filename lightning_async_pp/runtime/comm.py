@@ -7,8 +7,9 @@ Layouts are negotiated, not sent with every message. The first message a channel
 created or after :meth:`Channel.forget_layout` (a run start, an evaluation batch) is preceded by one small
 header that lists each tensor's dtype and shape; from then on only payloads travel, and the receiver
 allocates the next message's buffers from the layout it learnt, which lets it post the receive ahead of
-time. A sender whose message no longer matches the negotiated layout stops with an error that says what
-to change (pipelines need a fixed micro-batch shape).
+time. A sender checks each later message only against the negotiated layout (each tensor's dtype and shape);
+one that no longer matches stops with an error that says what to change (pipelines need a fixed
+micro-batch shape).
 
 Every transfer goes through :func:`torch.distributed.batch_isend_irecv`, and a send is batched with the
 receive that follows it on the same link (``send(..., post_recv=True)``). On NCCL, point-to-point
@@ -63,6 +64,18 @@ def layout_of(tensors: Sequence[Tensor]) -> Layout:
         if t.dtype not in DTYPES:
             raise ValueError(f"Cannot send a {t.dtype} tensor between stages; supported: {DTYPES}.")
     return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def _matches(tensors: Sequence[Tensor], layout: Layout) -> bool:
+    """Whether ``tensors`` have ``layout``'s dtypes and shapes: the check of every message once the layout is
+    negotiated, cheaper than building the message's layout with :func:`layout_of`, whose validation the
+    negotiated layout has passed."""
+    if len(tensors) != len(layout):
+        return False
+    for t, (dtype, shape) in zip(tensors, layout):
+        if t.dtype != dtype or t.shape != shape:
+            return False
+    return True
 
 
 def encode_layout(layout: Layout) -> Tensor:
@@ -134,14 +147,15 @@ class Channel:
                 its work says it completed.
         """
         tensors = [t.detach().contiguous() for t in tensors]
-        layout = layout_of(tensors)
         ops, keep = [], list(tensors)
         if self._send_layout is None:
+            layout = layout_of(tensors)
             header = encode_layout(layout).to(self.device)  # once per run: not in the steady state
             ops.append(self._op(dist.isend, header))
             keep.append(header)
             self._send_layout = layout
-        elif layout != self._send_layout:
+        elif not _matches(tensors, self._send_layout):
+            layout = layout_of(tensors)  # what a header cannot describe has its own error
             raise RuntimeError(
                 f"The message to rank {self.peer} changed from {describe(self._send_layout)} to "
                 f"{describe(layout)} (dtype and shape of each tensor). Pipeline stages exchange fixed-shape "
