@@ -96,6 +96,8 @@ class StageRuntime:
         forward_context: Context manager factory around forwards (e.g. autocast).
         trace: Record the start and end time of every action (the last ``trace_window`` actions).
         trace_window: How many actions the trace keeps (a sliding window, so long runs stay bounded).
+        time_actions: Time every action for :class:`StepStats` (forward, backward, wait and update seconds);
+            ``False``: only each step's wall time (the other fields are NaN), one clock mark per step boundary.
         start_version: Weight version the parameters hold (non-zero when resuming).
         check_data_order: Send the fingerprints of each step's micro-batches to the next stage and stop with
             :class:`~lightning_async_pp.runtime.fingerprint.DataOrderError` when a stage's own micro-batches do
@@ -142,6 +144,7 @@ class StageRuntime:
     check_data_order: bool = True
     order_group: Any = None
     trace_window: int = 20_000
+    time_actions: bool = True
     observers: Sequence[Observer] = ()
 
     def __post_init__(self) -> None:
@@ -164,7 +167,7 @@ class StageRuntime:
                 before_update=self.before_update,
                 ties=self.ties,
             )
-        self.timer = StepTimer(self.device, self.trace, self.trace_window)
+        self.timer = StepTimer(self.device, self.trace, self.trace_window, self.time_actions)
         self._observers: collections.OrderedDict[int, Observer] = collections.OrderedDict()
         for fn in self.observers:
             self.add_observer(fn)

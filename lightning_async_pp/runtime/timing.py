@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -51,6 +52,9 @@ class ActionClock:
     there, so timing never makes the host wait), the wall clock otherwise. Either way a wait for a transfer
     counts as the time the stage's compute stood still.
 
+    CUDA events are pooled: a mark that has been read is handed back (:meth:`release`) and recorded again
+    later, so the steady state creates no events.
+
     Args:
         device: The stage's device.
     """
@@ -58,15 +62,23 @@ class ActionClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self._origin: tuple[Any, float] | None = None
+        self._free: list[Any] = []
 
     def mark(self) -> Any:
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        if self._origin is None:  # ties device time to the host clock, for the trace; never reused
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+            self._origin = (origin, time.perf_counter())
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         event.record()
-        if self._origin is None:  # ties device time to the host clock, for the trace
-            self._origin = (event, time.perf_counter())
         return event
+
+    def release(self, mark: Any) -> None:
+        """Hand back a mark whose time has been read (a CUDA event is recorded again by a later :meth:`mark`)."""
+        if self.cuda:
+            self._free.append(mark)
 
     def ready(self, mark: Any) -> bool:
         return not self.cuda or mark.query()
@@ -104,11 +116,17 @@ class StepTimer:
         device: The stage's device.
         trace: Keep the start and end time of every action in :attr:`events`.
         trace_window: How many actions :attr:`events` keeps (a sliding window, so long runs stay bounded).
+        time_actions: Time every action, for the forward, backward, wait and update seconds of each step (two
+            clock marks per action: CUDA events on a GPU). Off: only each step's wall time is measured and those
+            fields are NaN; a trace times its actions regardless.
     """
 
-    def __init__(self, device: torch.device, trace: bool = False, trace_window: int = 20_000) -> None:
+    def __init__(
+        self, device: torch.device, trace: bool = False, trace_window: int = 20_000, time_actions: bool = True
+    ) -> None:
         self.clock = ActionClock(device)
         self.trace = trace
+        self.time_actions = time_actions or trace
         self.events: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=trace_window)
         """The traced actions as ``(label, start, end)``, in seconds on the host's ``perf_counter`` scale."""
         self._step: _StepTiming | None = None
@@ -118,10 +136,13 @@ class StepTimer:
     @property
     def active(self) -> bool:
         """Whether actions are timed now (inside a step, or always when tracing)."""
-        return self._step is not None or self.trace
+        return (self._step is not None and self.time_actions) or self.trace
 
     def begin_step(self, step: int) -> None:
-        self._step = _StepTiming(StepStats(step), self.clock.mark())
+        stats = StepStats(step)
+        if not self.time_actions:
+            stats.forward = stats.backward = stats.wait = stats.update = math.nan
+        self._step = _StepTiming(stats, self.clock.mark())
 
     def end_step(self, version_lag: int) -> None:
         """Close the step :meth:`begin_step` opened; read what the device has finished."""
@@ -154,9 +175,13 @@ class StepTimer:
                     setattr(stats, name, getattr(stats, name) + clock.seconds(begin, end))
                 if self.trace:
                     self.events.append((str(action), clock.time(begin), clock.time(end)))
-            if stats is not None:
+                clock.release(begin)
+                clock.release(end)
+            if stats is not None:  # (a record of no step holds one action's marks, released above)
                 stats.wall = clock.seconds(timing.start, timing.end)
                 self._ready.append(stats)
+                clock.release(timing.start)
+                clock.release(timing.end)
 
     def pop_ready(self) -> StepStats | None:
         """The oldest step whose statistics are known, or ``None``."""

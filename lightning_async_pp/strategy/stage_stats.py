@@ -7,6 +7,7 @@ blocking, and rank 0 keeps and logs them.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,8 @@ class StageStatistics:
 
     Logged per stage: ``pipeline/stage{s}/bubble_fraction``, ``forward_sec``, ``backward_sec``, ``wait_sec``,
     ``update_sec`` and ``version_lag``; once every stage reported a logged step, ``pipeline/bubble_fraction``
-    (their mean).
+    (their mean). With the strategy's ``stage_timing=False`` the runtime times steps, not actions: only
+    ``version_lag`` is logged then.
 
     Args:
         num_stages: Stages of one pipeline.
@@ -114,6 +116,7 @@ class StageStatistics:
             metrics["pipeline/bubble_fraction"] = (
                 sum(r.bubble_fraction for r in step_records.values()) / self.num_stages
             )
+        metrics = {name: value for name, value in metrics.items() if not math.isnan(value)}  # stage_timing=False
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=stats.step)
 

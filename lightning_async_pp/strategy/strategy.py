@@ -119,6 +119,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
             version the micro-batch was pinned to, as does a layer that calls ``torch.utils.checkpoint`` itself.
         trace_dir: If set, each stage writes a Chrome trace (``chrome://tracing`` / Perfetto JSON) of the
             actions it executed, with their real start and end times, to this folder.
+        stage_timing: Time every action for the ``pipeline/stage{s}/*`` metrics (two CUDA events per action on
+            GPUs). ``False`` logs only ``version_lag`` of them; a trace (``trace_dir``) times actions regardless.
         start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
             (like ``strategy="ddp"``); ``"spawn"`` works in notebooks and tests.
         accelerator: Set by the ``Trainer``.
@@ -146,6 +148,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         balance: Literal["parameters", "time"] | Sequence[float] = "parameters",
         activation_checkpointing: ActivationCheckpointing = False,
         trace_dir: str | None = None,
+        stage_timing: bool = True,
         start_method: Literal["popen", "spawn"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -175,6 +178,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.balance = balance if isinstance(balance, str) else [float(c) for c in balance]
         self.activation_checkpointing = activation_checkpointing
         self.trace_dir = trace_dir
+        self.stage_timing = stage_timing
         self.start_method = start_method
         self._data_seed = 0
         self._placement: StagePlacement | None = None

@@ -193,7 +193,7 @@ def _build(rank: int, case: Case) -> StageRuntime | None:
     rank_of = lambda s, d: d * stages + s  # noqa: E731
     member = rank < stages * replicas
     stage, replica = rank % stages, rank // stages
-    p2p = dist.new_group()
+    p2p, order = dist.new_group(), dist.new_group()
     norm_groups = [dist.new_group([rank_of(s, d) for s in range(stages)]) for d in range(replicas)]
     data_groups = [dist.new_group([rank_of(s, d) for d in range(replicas)]) for s in range(stages)]
     ties = [Tie({0: "0.fc.weight", stages - 1: "0.fc.weight"}, (0, stages - 1), (8, 8), torch.float32, True)]
@@ -221,6 +221,7 @@ def _build(rank: int, case: Case) -> StageRuntime | None:
         clip_grad_norm=1.0,
         norm_group=norm_groups[replica],
         p2p_group=p2p,
+        order_group=order,
         data_group=data_groups[stage] if replicas > 1 else None,
         ties=TiedGradients(ties, stage, tie_groups) if ties else None,
     )
