@@ -19,7 +19,10 @@ A cell's figure is the median over its repetitions.
 The simulator (:func:`lightning_async_pp.schedule.simulate.simulate`) runs our action lists for
 ``ours_2bw``, ``ours_1f1b`` and ``torch_1f1b`` (torch's 1F1B is the same order) with each rank's measured
 sleep time per micro-batch as its cost, no transfer time and no host time, over the same steps and window
-as the measurement: what these schedules would give with nothing but the emulated devices' work.
+as the measurement: what these schedules would give with nothing but the emulated devices' work. A second
+prediction feeds it each rank's measured calls instead (sleeps plus the runtime's host work inside each forward,
+backward and update): what remains between it and the measurement is transfer latency and the work between
+actions.
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ def _per_rank(reps: list[list[dict]], key) -> list[float]:
 
 
 def simulated_step_seconds(
-    kind: str, P: int, M: int, forward: Sequence[float], backward: Sequence[float], spec
+    kind: str,
+    P: int,
+    M: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    spec,
+    update: Sequence[float] | None = None,
 ) -> float:
     """Step time the simulator gives for our action lists with these per-stage costs, measured as the benchmark
     measures: from the end of each stage's last warm-up step to the end of its last step, the slowest stage."""
@@ -52,7 +61,8 @@ def simulated_step_seconds(
 
     warmup, steps = spec["warmup"], spec["steps"]
     schedule = build_schedule(kind, P, M, warmup + steps)
-    result = simulate(schedule, [StageCosts(f, b) for f, b in zip(forward, backward)])
+    updates = update if update is not None else [0.0] * len(forward)
+    result = simulate(schedule, [StageCosts(f, b, u) for f, b, u in zip(forward, backward, updates)])
     windows = []
     for s in range(P):
         ends, index, end = [], 0, 0.0
@@ -138,6 +148,14 @@ def _cell(P: int, M: int, name: str, reps: list[list[dict]], costs: grid.Costs, 
         entry["simulated_step_ms"] = 1e3 * simulated
         entry["simulated_efficiency"] = ideal / simulated
         entry["simulator_error"] = simulated / statistics.median(step_s) - 1.0
+        # The same schedule fed each rank's measured calls (sleeps plus the runtime's host work inside them):
+        # what is left of the error is transfer latency and the work between actions.
+        forward = _per_rank(reps, lambda r: r["calls_s"]["F"] / per_mb)
+        backward = _per_rank(reps, lambda r: (r["calls_s"]["B"] + r["calls_s"]["W"]) / per_mb)
+        update = _per_rank(reps, lambda r: r["calls_s"]["U"] / steps)
+        with_host = simulated_step_seconds(kind, P, M, forward, backward, spec, update)
+        entry["simulated_with_host_step_ms"] = 1e3 * with_host
+        entry["simulator_with_host_error"] = with_host / statistics.median(step_s) - 1.0
     return entry
 
 
@@ -173,14 +191,17 @@ def _stages(values: Sequence[float], spec: str) -> str:
 def detail_table(results: list[dict]) -> str:
     """Markdown: every cell and schedule with its step time, bubble, CPU time and stash per stage."""
     lines = [
-        "| P | M | schedule | step ms | ideal ms | efficiency | simulated ms (error) | bubble per stage "
+        "| P | M | schedule | step ms | ideal ms | efficiency | simulated ms (error) | with host time (error) "
+        "| bubble per stage "
         "| CPU ms/step per stage | CPU load | host ms/micro-batch in calls per stage | peak stashed micro-batches "
         "per stage |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         sim = r.get("simulated_step_ms")
         shown = "-" if sim is None else f"{sim:.1f} ({100 * r['simulator_error']:+.1f}%)"
+        host = r.get("simulated_with_host_step_ms")
+        shown += " | " + ("-" if host is None else f"{host:.1f} ({100 * r['simulator_with_host_error']:+.1f}%)")
         lines.append(
             f"| {r['num_stages']} | {r['num_microbatches']} | `{r['name']}` | {r['step_ms']:.1f} | "
             f"{r['ideal_step_ms']:.1f} | {r['efficiency']:.3f} | {shown} | {_stages(r['bubble_per_stage'], '.2f')} | "

@@ -134,6 +134,8 @@ def test_report_on_made_up_records():
     assert cell["cpu_load"] == pytest.approx(0.004 / (0.041 * 2))
     # Measured sleeps of 10 ms forward and 10 ms backward per micro-batch over the 2 x 2 micro-batches.
     assert cell["simulated_step_ms"] == pytest.approx(2 * (5.0 + 5.0))
+    # Fed the measured calls instead: 5.25 ms forward and backward per micro-batch, a 0.5 ms update per step.
+    assert cell["simulated_with_host_step_ms"] == pytest.approx(2 * (5.25 + 5.25) + 0.5)
     text = report.markdown(
         {
             "config": dict(spec, repeats=3, activation_kib=64, costs=dict(spec["costs"], last_stage_factor=1.0)),
