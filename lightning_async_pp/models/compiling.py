@@ -4,8 +4,9 @@ Each block is compiled in place (:meth:`torch.nn.Module.compile`): the block kee
 parameter names, so state dicts and checkpoints read the same with and without compilation, and the
 pipeline still cuts the model layer by layer.
 
-Why this stays exact under 2BW, without a recompilation per weight version: a stage runs its layers with
-``torch.func.functional_call`` on the buffer of the micro-batch's pinned version, and ``torch.compile``
+Why this stays exact under 2BW, without a recompilation per weight version: a stage runs its layers with the
+buffer of the micro-batch's pinned version in place of their parameters (as ``torch.func.functional_call``
+does; :class:`~lightning_async_pp.runtime.versions_swap.ParameterSwap`), and ``torch.compile``
 (which inlines ``nn.Module`` calls, torch >= 2.5) reads the block's parameters as graph inputs. Its guards
 check a parameter's shape, dtype, device and ``requires_grad``, never its identity or storage, so both
 versions' buffers run the same compiled graph. The graph differs only where the inputs do: a first call

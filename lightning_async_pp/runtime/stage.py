@@ -5,8 +5,8 @@ knows nothing of Lightning. One process runs one :class:`StageRuntime`, which lo
 :class:`~lightning_async_pp.schedule.Op` up in a table of handlers. What it keeps is split by concern:
 
 - :class:`~lightning_async_pp.runtime.weights.WeightVersions`: the copies of the trainable parameters each
-  in-flight micro-batch runs on. The layers run with :func:`torch.func.functional_call` on the copy of
-  the version a micro-batch was pinned to.
+  in-flight micro-batch runs on. The layers run with the copy of the version a micro-batch was pinned to in
+  place of their parameters (:class:`~lightning_async_pp.runtime.versions_swap.ParameterSwap`).
 - :class:`~lightning_async_pp.runtime.updates.UpdateDriver`: each step's gradient, averaged over replicas,
   summed over tied copies, clipped, and applied with that step's hyperparameters (none on an
   evaluation-only runtime, built with ``optimizer=None``).
