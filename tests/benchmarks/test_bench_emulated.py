@@ -1,6 +1,6 @@
 """Smoke test of the emulated-device benchmark (``python -m benchmarks.emulated``): the layers' split backward
-against torch's own split, the placement of the layers, the report on made-up records, and (multiprocess) the
-quick run end to end. No assertion on a speed."""
+against torch's own split, the placement of the layers, the report on made-up records, and the quick run end
+to end (in the default suite). No assertion on a speed."""
 
 from __future__ import annotations
 
@@ -146,8 +146,8 @@ def test_report_on_made_up_records():
     assert "| 2 | 2 | 0.98 |" in text and "torch_dualpipev P=2 M=2: M" in text
 
 
-@pytest.mark.multiprocess
 def test_quick_run_end_to_end(tmp_path):
+    """The `--quick` grid end to end (about 30 s on 2 cores): part of the default suite's smoke tests."""
     out = tmp_path / "emulated.json"
     command = [
         sys.executable,
