@@ -227,7 +227,7 @@ class TiedGradients:
         if norm_sq is None:
             return functools.partial(_finish_sums, sums)
         lowest = [entry for entry in sums if self.ties[entry[0]].owners[0] == self.stage]
-        others = [entry for entry in sums if entry not in lowest]
+        others = [entry for entry in sums if self.ties[entry[0]].owners[0] != self.stage]
 
         def post_norm() -> tuple[Tensor, Any]:
             _finish_sums(lowest)
