@@ -9,8 +9,8 @@ pipeline its layers live in different processes, so each owning stage keeps a co
 - every owner applies the same update to the same value: before each (delayed) update, the owners sum
   their gradients over a process group of the tie's owners (one group per tie and replica), so each sees
   the gradient the single-device model would; an all-reduce hands every member the same bits;
-- gradient clipping counts a tied parameter once: with clipping, the tied gradients travel in the
-  pipeline's norm all-reduce, and every stage adds the squared norm of each summed tied gradient once.
+- gradient clipping counts a tied parameter once: the tie's lowest owner adds the squared norm of the summed
+  gradient to the pipeline's norm all-reduce (which carries scalars only), the other stages add zero.
 
 The last point needs every copy to be in an optimizer parameter group with the same settings. On one device
 the parameter is one tensor, reached first under one name, so it lands in one group; in a pipeline each stage
@@ -25,6 +25,7 @@ and creates the groups; :class:`~lightning_async_pp.runtime.stage.StageRuntime` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -206,50 +207,57 @@ class TiedGradients:
     ) -> Callable[[], Tensor | None]:
         """Post the sums (non-blocking); the returned function waits for them and writes them into ``grads``.
 
-        Without ``norm_sq``: one all-reduce per owned tie over its owners. With ``norm_sq`` (this stage's
-        squared norm of its untied gradients): one all-reduce over the whole pipeline (``norm_group``) that
-        carries every tie's gradient (zeros where a stage holds no copy) beside the squared norms; the
-        returned function then gives the global squared norm, counting each tied parameter once.
+        Each owned tie's gradient is summed by one all-reduce over its owners. With ``norm_sq`` (this stage's
+        squared norm of its untied gradients, for clipping) the sums are taken in float32, and one all-reduce
+        over the pipeline (``norm_group``) carries only scalars: every stage's ``norm_sq`` and, from the lowest
+        owner of each tie, the squared norm of its summed gradient, so that each tie counts once; the returned
+        function then gives the global squared norm.
+
+        The lowest owner needs its tie's sum before it can post the norm. Stage 0 (the first to need the new
+        version, at a forward that waits for no other stage) posts it in the returned function, after the
+        sum; a higher lowest owner waits for the sum here, which every other owner has posted at its own
+        update before this stage's last backward could finish. Every other stage posts the norm here.
         """
+        sums: list[tuple[int, Tensor, Tensor, Any]] = []  # (tie index, gradient, its float32 copy or itself, work)
+        for index, tie in enumerate(self.ties):
+            if self.stage in tie.names:
+                grad = grads[tie.names[self.stage]]
+                summed = grad if norm_sq is None else grad.float()
+                sums.append((index, grad, summed, dist.all_reduce(summed, group=self.groups[index], async_op=True)))
         if norm_sq is None:
-            works = [
-                dist.all_reduce(grads[tie.names[self.stage]], group=group, async_op=True)
-                for tie, group in zip(self.ties, self.groups)
-                if self.stage in tie.names
-            ]
+            return functools.partial(_finish_sums, sums)
+        lowest = [entry for entry in sums if self.ties[entry[0]].owners[0] == self.stage]
+        others = [entry for entry in sums if self.ties[entry[0]].owners[0] != self.stage]
 
-            def finish_sums() -> None:
-                for work in works:
-                    work.wait()
+        def post_norm() -> tuple[Tensor, Any]:
+            _finish_sums(lowest)
+            zero = norm_sq.new_zeros((), dtype=torch.float32)
+            parts = [norm_sq.reshape(()).float()] + [zero] * len(self.ties)
+            for index, _, summed, _ in lowest:
+                parts[1 + index] = summed.pow(2).sum()
+            flat = torch.stack(parts)
+            return flat, dist.all_reduce(flat, group=norm_group, async_op=True)
 
-            return finish_sums
-
-        device = norm_sq.device
-        parts = [norm_sq.reshape(1).float()]
-        for tie in self.ties:
-            name = tie.names.get(self.stage)
-            if name is None:
-                parts.append(torch.zeros(tie.shape, dtype=torch.float32, device=device).reshape(-1))
-            else:
-                parts.append(grads[name].float().reshape(-1))
-        flat = torch.cat(parts)
-        work = dist.all_reduce(flat, group=norm_group, async_op=True)
+        posted = None if lowest and self.stage == 0 else post_norm()
 
         def finish_with_norm() -> Tensor:
+            flat, work = posted if posted is not None else post_norm()
+            _finish_sums(others)
             work.wait()
             total = flat[:1].clone()
-            offset = 1
-            for tie in self.ties:
-                numel = int(torch.Size(tie.shape).numel())
-                summed = flat[offset : offset + numel]
-                offset += numel
-                total += summed.pow(2).sum()
-                name = tie.names.get(self.stage)
-                if name is not None:
-                    grads[name].copy_(summed.view(tie.shape))
+            for index in range(len(self.ties)):
+                total += flat[1 + index]  # in the order of the ties, as one device adds their norms
             return total
 
         return finish_with_norm
+
+
+def _finish_sums(sums: Sequence[tuple[int, Tensor, Tensor, Any]]) -> None:
+    """Wait for the tied gradients' sums; copy a float32 sum back into its gradient."""
+    for _, grad, summed, work in sums:
+        work.wait()
+        if summed is not grad:
+            grad.copy_(summed)
 
 
 def new_tie_groups(

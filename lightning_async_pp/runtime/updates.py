@@ -1,10 +1,12 @@
 """A stage's weight updates: the step's gradient, averaged over replicas, summed over tied copies, clipped by
 the global norm, and applied with the hyperparameters the trainer had set for that step.
 
-Update timing. ``UPDATE(t)`` runs as soon as the stage's last backward of step ``t`` is done. With
-gradient clipping, the global norm needs every stage's share, so the stage posts a non-blocking
-all-reduce and applies the update only when the new version is first needed (the first forward of step
-``t + 2``), which keeps the pipeline free of a barrier.
+Update timing. ``UPDATE(t)`` runs as soon as the stage's last backward of step ``t`` is done. What it
+needs from other processes it posts as non-blocking collectives, and it applies the update only when the
+new version is first needed (the first forward of step ``t + 2`` in 2BW), which keeps the pipeline free of
+a barrier: the average over data-parallel replicas (bucketed, :mod:`~lightning_async_pp.runtime.replicas`),
+the sums of tied gradients (:mod:`~lightning_async_pp.runtime.ties`), and with gradient clipping the
+global norm, which needs every stage's share.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_async_pp.runtime.replicas import ReplicaAverage
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.weights import WeightVersions
 from lightning_async_pp.schedule import weight_version
 
 NOT_HYPERPARAMETERS = ("params", "param_names")
 """Keys of an optimizer's param group that are not hyperparameters."""
+
+_NORM_INPUTS = (torch.float32, torch.bfloat16, torch.float16)  # widened to float32 inside `_foreach_norm`
 
 
 @dataclass
@@ -38,6 +43,7 @@ class PendingUpdate:
         norm_sq: The squared global gradient norm (or this stage's share until ``work`` or ``finish`` is done).
         work: The norm's all-reduce in flight.
         finish: Completes the tied-gradient sums (and the norm); returns the norm when it computed it.
+        average: Completes the average over replicas (before ``finish``).
     """
 
     step: int
@@ -45,6 +51,7 @@ class PendingUpdate:
     norm_sq: Tensor | None = None
     work: Any = None
     finish: Callable[[], Tensor | None] | None = None
+    average: Callable[[], None] | None = None
 
 
 class StepHyperparameters:
@@ -117,6 +124,12 @@ def _same(a: Any, b: Any) -> bool:
 class UpdateDriver:
     """Turns each step's gradient into the next weight version.
 
+    The average over replicas is posted at ``UPDATE`` and waited for where the new version is first needed
+    (:meth:`complete`), or at the next ``UPDATE``, which reuses its buckets. With a ``before_update`` hook,
+    gradient clipping or tied parameters, it is waited for at once: the hook and the clipping norm need the
+    averaged gradient at ``UPDATE``, and so do the tied sums, which are posted there in turn (a wait later
+    would have to post them later, where another stage may already wait for them).
+
     Args:
         optimizer: Optimizer over exactly the stage's trainable parameters.
         weights: The stage's weight versions (their ``params`` are the optimizer's).
@@ -149,19 +162,29 @@ class UpdateDriver:
         self.kind, self.num_stages, self.device = kind, num_stages, device
         self.clip_grad_norm, self.norm_group, self.data_group = clip_grad_norm, norm_group, data_group
         self.before_update, self.ties = before_update, ties
+        self.replicas = ReplicaAverage(data_group) if data_group is not None else None
+        self.defer_average = before_update is None and clip_grad_norm is None and ties is None
+        """Whether the average over replicas stays in flight after ``UPDATE``."""
         self.hyperparameters = StepHyperparameters(optimizer)
         self.pending: list[PendingUpdate] = []
         self.log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
         """Recent updates as (step, version the gradient was computed on, version produced)."""
 
     def start(self, step: int) -> None:
-        """Take step ``step``'s gradient off its buffer; apply now, or once the clipping norm is known."""
+        """Take step ``step``'s gradient off its buffer; apply now, or once what it waits for has arrived."""
         grads = self.weights.take_gradients(weight_version(self.kind, step))
-        if self.data_group is not None:
-            self._average_over_replicas(grads)
+        pending = PendingUpdate(step, grads)
+        if self.replicas is not None:
+            if self.defer_average:
+                # The buckets still hold an earlier step's gradient where its version was not needed yet
+                # (2BW's last stage): apply it first, on its own buffer, which no micro-batch uses any more.
+                self.complete(up_to_version=step)
+                pending.average = self.replicas.start(grads)
+                self.pending.append(pending)
+                return
+            self.replicas.start(grads, views=False)()
         if self.before_update is not None:
             self._call_before_update(grads)
-        pending = PendingUpdate(step, grads)
         if self.clip_grad_norm is not None:
             self._start_norm(pending)
             self.pending.append(pending)
@@ -174,7 +197,10 @@ class UpdateDriver:
     def _start_norm(self, pending: PendingUpdate) -> None:
         # A tied parameter's norm is that of its summed gradient, counted once (added by `ties`).
         tied = self.ties.local_names if self.ties is not None else set()
-        norms = [torch.linalg.vector_norm(g.float()) for n, g in pending.grads.items() if n not in tied]
+        # In float32 whatever the gradients' dtype, as `torch.linalg.vector_norm(g.float())` per gradient: a
+        # narrower dtype is widened inside the kernel, a wider one (float64) is cast first, as before.
+        untied = [g if g.dtype in _NORM_INPUTS else g.float() for n, g in pending.grads.items() if n not in tied]
+        norms = torch._foreach_norm(untied, dtype=torch.float32) if untied else ()
         local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
         pending.norm_sq = local.reshape(1)
         if self.ties is not None:
@@ -191,22 +217,12 @@ class UpdateDriver:
                 grads[name] = param.grad
             param.grad = None
 
-    def _average_over_replicas(self, grads: dict[str, Tensor]) -> None:
-        tensors = list(grads.values())
-        if not tensors:
-            return
-        flat = torch.cat([g.reshape(-1) for g in tensors])
-        dist.all_reduce(flat, group=self.data_group)
-        flat /= dist.get_world_size(self.data_group)
-        offset = 0
-        for g in tensors:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     def complete(self, up_to_version: int | None) -> None:
         """Apply pending updates that produce a version ``<= up_to_version`` (all if ``None``)."""
         while self.pending and (up_to_version is None or self.pending[0].step + 1 <= up_to_version):
             pending = self.pending.pop(0)
+            if pending.average is not None:
+                pending.average()
             if pending.work is not None:
                 pending.work.wait()
             if pending.finish is not None:
@@ -224,9 +240,13 @@ class UpdateDriver:
             total = pending.norm_sq.sqrt()
             scale = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
         self.weights.prepare(step + 1)
-        for name, param in self.params.items():
-            grad = pending.grads[name]
-            param.grad = grad.mul_(scale.to(grad.dtype)) if scale is not None else grad
+        grads = [pending.grads[name] for name in self.params]
+        if scale is not None:
+            # Per dtype, as `grad.mul_(scale.to(grad.dtype))` does one gradient at a time.
+            for dtype in dict.fromkeys(g.dtype for g in grads):
+                torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.reshape(()).to(dtype))
+        for param, grad in zip(self.params.values(), grads):
+            param.grad = grad
         with self.hyperparameters.of(step):
             self.optimizer.step()
         self.hyperparameters.stepped()

@@ -60,9 +60,9 @@ class WeightVersions:
         """Point the parameters at the buffer of ``version``, holding a copy of ``version - 1``, for the
         optimizer to step in place."""
         current, target = self.of(version - 1), self.of(version)
+        if target is not current:
+            torch._foreach_copy_([target[n] for n in self.params], [current[n] for n in self.params])
         for name, param in self.params.items():
-            if target is not current:
-                target[name].copy_(current[name])
             param.data = target[name].data
 
     def previous(self) -> dict[str, Tensor]:

@@ -6,8 +6,8 @@ out what one stage's host then does, segment after segment, and :func:`check_tra
 stages' programs against each other under a model of NCCL's queues to show they cannot deadlock.
 
 Besides its transfers, a stage's ``UPDATE`` may post collectives (:class:`Collectives`): the all-reduce of
-the gradient over the stage's replicas (waited at once), and the clipping norm's or the tied gradients'
-all-reduce, which stays pending across segments until the weight version it produces is first needed. The
+the gradient over the stage's replicas, the tied gradients' and the clipping norm's all-reduces, which stay
+pending across segments until the weight version they produce is first needed. The
 model checks those too, each on its own communicator (its own queue), or with every operation of a stage on
 one queue, as ``CUDA_DEVICE_MAX_CONNECTIONS=1`` serialises a device's streams (``one_queue``).
 """
@@ -90,17 +90,21 @@ FLUSH = "flush"
 class Collectives:
     """The collectives a stage's ``UPDATE`` posts besides its transfers (``runtime.updates.UpdateDriver``).
 
-    In the model, stage ``s`` of replica ``r`` is rank ``r * num_stages + s``.
+    In the model, stage ``s`` of replica ``r`` is rank ``r * num_stages + s``. An all-reduce posted at an
+    ``UPDATE`` and left pending is waited for when the version the update produces is first needed (a forward
+    on it) or the pipeline drains (:data:`FLUSH`).
 
     Args:
         num_stages: Stages per pipeline.
-        replicas: Data-parallel replicas. With more than one, each update first all-reduces the gradient over
-            the stage's replicas and the stage's compute waits for it (a blocking ``all_reduce``).
-        clip: Gradient clipping: each update posts one all-reduce over its pipeline's stages (the squared norm,
-            and the tied gradients with it), pending until the version the update produces is first needed
-            (a forward on it) or the pipeline drains (:data:`FLUSH`).
-        ties: Per tied parameter, the stages holding a copy. Without ``clip``, a holder's update posts one
-            all-reduce per tie over its replica's holders (a communicator per tie), pending like the norm.
+        replicas: Data-parallel replicas. With more than one, each update all-reduces the gradient over the
+            stage's replicas. Alone, that all-reduce stays pending (until its version is needed, or the next
+            ``UPDATE``, which reuses its buffers); with clipping or ties the stage's compute waits for it at once.
+        clip: Gradient clipping: each update posts one all-reduce of scalars over its pipeline's stages (the
+            squared norms). A stage that is the lowest holder of a tie adds the squared norm of the tie's
+            summed gradient, so it waits for the tie's sum first: stage 0 where the version is needed (it
+            posts the norm there), a later stage at once.
+        ties: Per tied parameter, the stages holding a copy. A holder's update posts one all-reduce per tie over
+            its replica's holders (a communicator per tie), pending.
         deferred: ``False``: wait for those all-reduces right after posting them (a synchronous clipping),
             to test the model.
     """
@@ -111,21 +115,32 @@ class Collectives:
     ties: tuple[tuple[int, ...], ...] = ()
     deferred: bool = True
 
-    def at_update(self, stage: int, step: int, replica: int) -> tuple[list[_TransferOp], list[_TransferOp]]:
-        """What ``UPDATE(step)`` of ``stage`` posts: the collectives waited at once, and those left pending."""
+    @property
+    def average_pending(self) -> bool:
+        """Whether the replicas' all-reduce stays pending after ``UPDATE`` (and is waited at the next at the latest)."""
+        return self.replicas > 1 and not self.clip and not self.ties
+
+    def at_update(self, stage: int, step: int, replica: int) -> tuple[list[tuple], list[tuple]]:
+        """What ``UPDATE(step)`` of ``stage`` does: the items of :func:`host_program` at the update, and those
+        left for where the version it produces is first needed (``("post", op)`` or ``("wait", op)`` each)."""
         base = replica * self.num_stages
-        now: list[_TransferOp] = []
-        later: list[_TransferOp] = []
+        now: list[tuple] = []
+        later: list[tuple] = []
         if self.replicas > 1:
-            ranks = tuple(r * self.num_stages + stage for r in range(self.replicas))
-            now.append(("C", ("data", ranks), ("data", step, 0)))
-        if self.clip and self.num_stages > 1:
-            later.append(("C", ("norm", tuple(base + s for s in range(self.num_stages))), ("norm", step, 0)))
-        elif not self.clip:
-            for index, holders in enumerate(self.ties):
-                if stage in holders:
-                    group = (f"tie {index}", tuple(base + s for s in holders))
-                    later.append(("C", group, ("tie", step, index)))
+            data = ("C", ("data", tuple(r * self.num_stages + stage for r in range(self.replicas))), ("data", step, 0))
+            now.append(("post", data))
+            (later if self.average_pending else now).append(("wait", data))
+        owned = [index for index, holders in enumerate(self.ties) if stage in holders]
+        tie = {i: ("C", (f"tie {i}", tuple(base + s for s in self.ties[i])), ("tie", step, i)) for i in owned}
+        now += [("post", tie[i]) for i in owned]
+        if not self.clip:
+            later += [("wait", tie[i]) for i in owned]
+        elif self.num_stages > 1:
+            norm = ("C", ("norm", tuple(base + s for s in range(self.num_stages))), ("norm", step, 0))
+            lowest = [i for i in owned if min(self.ties[i]) == stage]
+            chain = [("wait", tie[i]) for i in lowest] + [("post", norm)]
+            (later if lowest and stage == 0 else now).extend(chain)
+            later += [("wait", tie[i]) for i in owned if i not in lowest] + [("wait", norm)]
         return (now, later) if self.deferred else (now + later, [])
 
 
@@ -160,11 +175,11 @@ def host_program(
     """
     offset = replica * collectives.num_stages if collectives is not None else 0
     items: list[tuple] = []
-    pending: list[tuple[int, _TransferOp]] = []  # collectives posted at an UPDATE: (version produced, op)
+    pending: list[tuple[int, list[tuple]]] = []  # what an UPDATE left for later: (version produced, items)
     for actions in segments:
         if isinstance(actions, str):
             assert actions == FLUSH, actions
-            items += [("wait", op) for _, op in pending]
+            items += [item for _, later in pending for item in later]
             pending.clear()
             continue
         plan = posting_plan(actions, eager)
@@ -180,15 +195,18 @@ def host_program(
         for op in sorted(plan.start):
             items.append(("post", tuple(next_receive(op))))
         for k, a in enumerate(actions):
+            needed = None
+            if a.op is Op.UPDATE and collectives is not None and collectives.average_pending:
+                needed = a.version - 1
+            elif a.op is Op.FORWARD:
+                needed = a.version
+            if needed is not None and pending and pending[0][0] <= needed:
+                items += [item for version, later in pending if version <= needed for item in later]
+                pending = [(version, later) for version, later in pending if version > needed]
             if a.op is Op.UPDATE and collectives is not None:
                 now, later = collectives.at_update(a.stage, a.step, replica)
-                for op in now:
-                    items += [("post", (op,)), ("wait", op)]
-                items += [("post", (op,)) for op in later]
-                pending += [(a.version, op) for op in later]
-            elif a.op is Op.FORWARD and pending and pending[0][0] <= a.version:
-                items += [("wait", op) for version, op in pending if version <= a.version]
-                pending = [(version, op) for version, op in pending if version > a.version]
+                items += [(kind, (op,) if kind == "post" else op) for kind, op in now]
+                pending.append((a.version, [(kind, (op,) if kind == "post" else op) for kind, op in later]))
             if not a.is_comm:
                 continue
             receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
@@ -208,7 +226,7 @@ def host_program(
                 items.append(("post", tuple(batch)))
         if posted:
             raise AssertionError(f"receives {sorted(posted.values())} stay posted after the segment")
-    return items + [("wait", op) for _, op in pending]
+    return items + [item for _, later in pending for item in later]
 
 
 def check_transfers(

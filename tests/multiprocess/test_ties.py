@@ -64,10 +64,19 @@ def test_tied_model_on_stages_equals_one_device(tmp_path, devices, schedule, spl
     assert_copies_equal_after_every_update(tied, model.tied_names(), steps)
 
 
-def test_tied_model_with_gradient_clipping(tmp_path):
+@pytest.mark.parametrize(
+    ("devices", "split"),
+    [
+        pytest.param(2, "3", id="P2"),
+        # [Embed | Block1, Block2 | Block3, Head]: stage 1 is the lowest holder of the Block1/Block3 tie, so it
+        # adds that tie's squared norm (after waiting for its sum at UPDATE); stage 0 adds the embedding's.
+        pytest.param(3, "1,3", id="P3-tie-held-lowest-by-stage-1"),
+    ],
+)
+def test_tied_model_with_gradient_clipping(tmp_path, devices, split):
     """The global norm counts a tied parameter once, as clipping on one device does."""
-    args, steps, clip = ("--schedule", "2bw", "--microbatches", "2", *TIES), 8, 0.3
-    result, weights, tied = run_toy(tmp_path, 2, *args, "--split-points", "3", "--clip", str(clip))
+    args, steps, clip = ("--schedule", "2bw", "--microbatches", str(devices), *TIES), 8, 0.3
+    result, weights, tied = run_toy(tmp_path, devices, *args, "--split-points", split, "--clip", str(clip))
     ref_losses, ref_weights, model = reference_toy(*args, steps=steps, clip=clip)
     assert_same_run(result, weights, ref_losses, ref_weights)
     assert_copies_equal_after_every_update(tied, model.tied_names(), steps)

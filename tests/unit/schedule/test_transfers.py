@@ -9,6 +9,7 @@ the runtime follows (:func:`host_program` over :func:`posting_plan`), and the la
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -100,11 +101,17 @@ def test_model_catches_crossed_sends():
 
 def pending_collectives(P: int) -> dict[str, Collectives]:
     """The runtime's configurations whose all-reduces stay pending across segments."""
+    # A tie whose lowest holder is not stage 0 makes that holder wait for the tie's sum at its update.
+    middle = ((1, P - 1),) if P > 2 else ()
     return {
         "clipping": Collectives(P, clip=True),
         "ties": Collectives(P, ties=((0, P - 1), (0, 1))),
+        "ties, clipping": Collectives(P, clip=True, ties=((0, P - 1), (0, 1), *middle)),
+        "middle tie, clipping": Collectives(P, clip=True, ties=middle or ((0, 1),)),
+        "replicas": Collectives(P, replicas=2),
         "replicas, clipping": Collectives(P, replicas=2, clip=True),
         "replicas, ties": Collectives(P, replicas=2, ties=((0, P - 1),)),
+        "replicas, ties, clipping": Collectives(P, replicas=2, clip=True, ties=((0, P - 1), *middle)),
     }
 
 
@@ -112,7 +119,8 @@ def pending_collectives(P: int) -> dict[str, Collectives]:
 @pytest.mark.parametrize("P", [2, 3, 4, 5, *(pytest.param(P, marks=pytest.mark.slow) for P in range(6, 13))])
 def test_pending_collectives_never_deadlock_under_nccl_semantics(kind, P):
     """The clipping norm's, the tied gradients' and the replicas' all-reduces, each on its own communicator,
-    posted at UPDATE and waited when their version is first needed or at the drain (as UpdateDriver does)."""
+    posted at UPDATE (stage 0's norm with a tie it holds lowest: where its version is needed) and waited when
+    their version is first needed or at the drain (as UpdateDriver does)."""
     for collectives in pending_collectives(P).values():
         for M in (P, 2 * P):
             progs = programs(kind, P, M, collectives=collectives)
@@ -148,6 +156,32 @@ def test_waiting_for_a_pending_all_reduce_too_early_deadlocks_2bw(P):
         {"collectives": clipping, "sync": True},
     ):
         check_transfers(programs("1f1b", P, P, **options), rendezvous=True)
+
+
+@dataclass(frozen=True)
+class NormPostedWhereNeeded(Collectives):
+    """Clipping with ties where every lowest holder of a tie, not only stage 0, posts the norm only where its
+    version is needed (after waiting for the tie's sum there)."""
+
+    def at_update(self, stage, step, replica):
+        now, later = super().at_update(stage, step, replica)
+        chain = [
+            (kind, op) for kind, op in now if (kind == "wait" and op[1][0].startswith("tie")) or op[1][0] == "norm"
+        ]
+        if any(kind == "wait" for kind, _ in chain):
+            return [item for item in now if item not in chain], chain + later
+        return now, later
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("P", [3, 4])
+def test_norm_of_a_tie_held_lowest_after_stage_0_must_be_posted_at_update(kind, P):
+    """Why a lowest holder other than stage 0 waits for its tie's sum at UPDATE: posting the norm where the
+    version is needed deadlocks, as stage 0 then waits for it before it sends that step's activations."""
+    progs = programs(kind, P, P, collectives=NormPostedWhereNeeded(P, clip=True, ties=((1, P - 1),)))
+    with pytest.raises(AssertionError, match="transfers deadlock"):
+        check_transfers(progs, rendezvous=True)
+    check_transfers(programs(kind, P, P, collectives=Collectives(P, clip=True, ties=((1, P - 1),))), rendezvous=True)
 
 
 class RecordingChannel:
@@ -191,7 +225,7 @@ class RecordingCollectives:
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def all_reduce(self, tensor, group=None, async_op=False):
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
         self.log.append(("post", (("C", group),)))
         work = SimpleNamespace(wait=lambda: self.log.append(("wait", ("C", group))))
         if not async_op:
@@ -219,20 +253,30 @@ def project(items, stage: int):
 
 @pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("P,M", [(2, 2), (3, 6), (4, 4)])
-@pytest.mark.parametrize("with_collectives", ["none", "clipping", "ties", "replicas"])
+@pytest.mark.parametrize(
+    "with_collectives",
+    ["none", "clipping", "ties", "ties, clipping", "replicas", "replicas, clipping", "replicas, ties, clipping"],
+)
 def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monkeypatch):
     torch.manual_seed(0)
     width, rows = 4, 2
-    collectives = {
-        "none": None,
-        "clipping": Collectives(P, clip=True),
-        "ties": Collectives(P, ties=((0, P - 1),)),
-        "replicas": Collectives(P, replicas=2, clip=True),
-    }[with_collectives]
+    tie_stages = ((0, P - 1), (1, P - 1)) if P > 2 else ((0, P - 1),)
+    replicas = 2 if "replicas" in with_collectives else 1
+    clip = "clipping" in with_collectives
+    collectives = None
+    if with_collectives != "none":
+        ties = tie_stages if "ties" in with_collectives else ()
+        collectives = Collectives(P, replicas=replicas, clip=clip, ties=ties)
     log: list = []
     monkeypatch.setattr(updates.dist, "all_reduce", RecordingCollectives(log).all_reduce)
     monkeypatch.setattr(updates.dist, "get_world_size", lambda group=None: 2)
-    tie = Tie({0: "0.weight", P - 1: "0.weight"}, (0, P - 1), (width, width), torch.float32, True)
+    monkeypatch.setattr(updates.dist, "get_backend", lambda group=None: "gloo")
+    # The first tie is a weight, the second a bias (of the one linear layer each stage has).
+    shapes = ((width, width), (width,))
+    tie_list = [
+        Tie({s: f"0.{kind_}" for s in stages}, stages, shape, torch.float32, True)
+        for stages, kind_, shape in zip(tie_stages, ("weight", "bias"), shapes)
+    ]
     for stage in range(P):
         log.clear()
         layer = nn.Linear(width, width)
@@ -250,11 +294,13 @@ def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monke
             next_rank=stage + 1 if stage < P - 1 else None,
             check_finite=False,
             check_data_order=False,  # the recording channels carry activations only
-            clip_grad_norm=1.0 if collectives is not None and collectives.clip else None,
+            clip_grad_norm=1.0 if clip else None,
             norm_group="norm",
-            data_group="data" if with_collectives == "replicas" else None,
-            ties=TiedGradients([tie], stage, ["tie 0" if stage in tie.names else None])
-            if with_collectives == "ties"
+            data_group="data" if replicas > 1 else None,
+            ties=TiedGradients(
+                tie_list, stage, [f"tie {i}" if stage in t.names else None for i, t in enumerate(tie_list)]
+            )
+            if "ties" in with_collectives
             else None,
         )
         if runtime.prev is not None:
