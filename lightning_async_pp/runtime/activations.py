@@ -14,8 +14,8 @@ arrival (exact: every ``int16`` value is an ``int32``); its message always carri
 tensor, so that the receiver knows which tensors to narrow.
 
 The spec is decoded once per negotiated layout (the receiver reads it when the layout was just learnt, at a
-run start or for an evaluation batch), so the steady state reads nothing on the host; the sender checks
-that the structure does not change while the layout stays the same.
+run start or for evaluation micro-batches of new shapes), so the steady state reads nothing on the host; the
+sender checks that the structure does not change while the layout stays the same.
 """
 
 from __future__ import annotations
