@@ -137,9 +137,9 @@ def evaluation_runtime(strategy: Any) -> StageRuntime:
 
 
 def evaluation_microbatches(strategy: Any) -> int:
-    """The most micro-batches an evaluation batch is split into: the strategy's ``num_microbatches``; with
-    ``"auto"`` before a training step has chosen it, one per stage (the fewest that keep every stage busy)."""
-    return strategy.num_stages if strategy.auto_microbatches else strategy.num_microbatches
+    """The most micro-batches an evaluation batch is split into: the strategy's ``num_microbatches``, the count
+    training uses; with ``"auto"``, 1 until a training step has chosen it (a ``validate`` outside ``fit``)."""
+    return 1 if strategy.auto_microbatches else strategy.num_microbatches
 
 
 def stage_training_step(strategy: Any, module: LightningModule, batch: Any) -> Tensor:
