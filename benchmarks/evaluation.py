@@ -22,7 +22,12 @@ complete):
 Reported per pattern: each way's median batches per second, the median over blocks of the paired speedup, and
 the largest difference between the two ways' outputs of the first batch.
 
-    python benchmarks/evaluation.py --out benchmarks/results/evaluation/evaluation.json
+The stages overlap only if each has a core to itself. ``--model emulated`` replaces the GPT by an emulated
+device, a layer per stage that sleeps ``--sample-ms`` per sample instead of computing, as a GPU computes while
+its host waits: it measures the schedule where other processes hold the cores.
+
+    python benchmarks/evaluation.py --out benchmarks/results/evaluation/gpt.json
+    python benchmarks/evaluation.py --model emulated --out benchmarks/results/evaluation/emulated.json
 """
 
 from __future__ import annotations
@@ -70,9 +75,37 @@ def _timed_block(runtime: Any, batches: list, way: str, pattern: str, group: Any
     return elapsed + time.perf_counter() - start, outputs[0]
 
 
-def worker(args: argparse.Namespace) -> None:
+class SleepLayer(torch.nn.Module):
+    """An emulated device: a forward takes ``seconds_per_sample`` per sample of its input without using the CPU
+    (a sleep), and passes the values on."""
+
+    def __init__(self, seconds_per_sample: float) -> None:
+        super().__init__()
+        self.seconds_per_sample = seconds_per_sample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds_per_sample * x.shape[0])
+        return x * 1.0
+
+
+def _stage_model(args: argparse.Namespace, rank: int) -> tuple[list[torch.nn.Module], Any, list]:
+    """This stage's layers, the inputs function and the batches."""
     from lightning_async_pp.demos import GPT
     from lightning_async_pp.demos.data import random_token_batches
+
+    if args.model == "emulated":
+        layers = [SleepLayer(args.sample_ms / 1e3)]
+        generator = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(args.batch_size, 64, generator=generator),) for _ in range(args.batches)]
+        return layers, lambda batch: batch[0], batches
+    model = GPT(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size).eval()
+    layers = list(model.pipeline_layers())
+    cut = (len(layers) + 1) // 2  # the embedding and half the blocks, then the other half and the head
+    batches = random_token_batches(args.batches, args.batch_size, args.block_size, seed=1)
+    return layers[:cut] if rank == 0 else layers[cut:], model.pipeline_inputs, batches
+
+
+def worker(args: argparse.Namespace) -> None:
     from lightning_async_pp.runtime.stage import StageRuntime
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -82,24 +115,21 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
     p2p, control = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
     torch.manual_seed(0)
-    model = GPT(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size).eval()
-    layers = list(model.pipeline_layers())
-    cut = (len(layers) + 1) // 2  # the embedding and half the blocks, then the other half and the head
+    layers, inputs_fn, batches = _stage_model(args, rank)
     runtime = StageRuntime(
         kind="1f1b",
         stage=rank,
         num_stages=world,
         num_microbatches=args.microbatches,
-        layers=layers[:cut] if rank == 0 else layers[cut:],
+        layers=layers,
         optimizer=None,
-        inputs_fn=model.pipeline_inputs,
-        loss_fn=model.pipeline_loss,
+        inputs_fn=inputs_fn,
+        loss_fn=lambda output, batch: output.float().mean(),  # not called: evaluation hands the output back
         device=torch.device("cpu"),
         prev_rank=rank - 1 if rank > 0 else None,
         next_rank=rank + 1 if rank < world - 1 else None,
         p2p_group=p2p,
     )
-    batches = random_token_batches(args.batches, args.batch_size, args.block_size, seed=1)
     seconds = {pattern: {way: [] for way in WAYS} for pattern in PATTERNS}
     outputs: dict[str, Any] = {}
     for block in range(args.warmup + args.repeats):
@@ -134,6 +164,14 @@ def summarize(args: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        choices=["gpt", "emulated"],
+        default="gpt",
+        help="the demo GPT computing on the CPU, or an emulated device: a layer per stage that sleeps --sample-ms "
+        "per sample (the stages overlap even where other processes hold the CPU cores)",
+    )
+    parser.add_argument("--sample-ms", type=float, default=2.0, help="emulated: milliseconds per sample per stage")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--batches", type=int, default=8, help="batches per timed block")
     parser.add_argument("--repeats", type=int, default=6, help="timed blocks per way")
@@ -154,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.microbatches, args.batches, args.repeats, args.warmup = 4, 2, 2, 0
         args.batch_size, args.block_size, args.n_layer, args.n_embd, args.n_head = 8, 16, 2, 16, 2
+        args.sample_ms = 0.1
     if args.worker:
         worker(args)
         return {}
@@ -181,9 +220,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise RuntimeError(f"the evaluation benchmark's ranks failed ({code}):\n{output}")
         record = json.loads(Path(scratch, "last_stage.json").read_text())
     report = summarize(args, record)
+    if args.model == "emulated":
+        model = f"batches of {args.batch_size} samples, an emulated device taking {args.sample_ms} ms per sample"
+    else:
+        model = f"batches of {args.batch_size} x {args.block_size} tokens, GPT {args.n_layer} x {args.n_embd}"
     print(
-        f"P=2, batches of {args.batch_size} x {args.block_size} tokens, GPT {args.n_layer} x {args.n_embd}, "
-        f"{args.microbatches} micro-batches; outputs differ by at most {report['max_abs_difference']:.2e}"
+        f"P=2, {model}, {args.microbatches} micro-batches; outputs differ by at most {report['max_abs_difference']:.2e}"
     )
     for pattern in PATTERNS:
         per_second = report[pattern]["batches_per_second"]

@@ -10,10 +10,11 @@ from tests.fixtures.helpers import load_benchmark
 
 
 @pytest.mark.multiprocess  # starts two ranks
-def test_writes_all_fields(tmp_path):
+@pytest.mark.parametrize("model", ["gpt", "emulated"])
+def test_writes_all_fields(tmp_path, model):
     bench = load_benchmark("evaluation")
     out = tmp_path / "result.json"
-    returned = bench.main(["--quick", "--out", str(out)])
+    returned = bench.main(["--quick", "--model", model, "--out", str(out)])
     report = json.loads(out.read_text())
     assert report == json.loads(json.dumps(returned))
     assert report["config"]["microbatches"] == 4 and report["config"]["quick"]
