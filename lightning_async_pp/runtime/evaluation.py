@@ -7,7 +7,8 @@ training's) that divides ``B`` (:func:`evaluation_microbatches`), and the stage 
 then ``i + 1``. Stage ``s`` forwards micro-batch ``i`` while stage ``s + 1`` forwards ``i - 1``, so the stages
 work at the same time instead of in turn. For layers that treat each sample on its own (a transformer, an
 MLP, BatchNorm in eval mode) the concatenated output equals the whole batch's output up to float
-reassociation.
+reassociation, provided each tensor of the last layer's output has the samples first (a sequence-first output
+would be joined along the wrong dimension).
 
 Layouts. The transfer layout of each link (see :mod:`~lightning_async_pp.runtime.comm`) is negotiated again
 only when the *signature* of the micro-batches changes: the dtype and shape of each of their tensors. Every
