@@ -28,7 +28,7 @@ from lightning_async_pp.runtime import activations
 from lightning_async_pp.runtime.microbatch import batch_size_of, split_microbatches, tensors_of
 from lightning_async_pp.schedule import Op, evaluation_actions, posting_plan
 
-__all__ = ["PipelineEvaluation", "concatenate", "evaluation_microbatches", "signature_of"]
+__all__ = ["JoinedOutput", "PipelineEvaluation", "evaluation_microbatches", "signature_of"]
 
 Signature = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
@@ -48,22 +48,57 @@ def signature_of(microbatch: Any) -> Signature:
     return tuple((t.dtype, tuple(t.shape)) for t in tensors_of(microbatch))
 
 
-def concatenate(outputs: list[Any]) -> Any:
-    """The micro-batches' outputs joined along dimension 0: a tensor, or a tuple, list or dict of tensors.
+class JoinedOutput:
+    """The whole batch's output on the last stage, filled micro-batch by micro-batch along dimension 0.
 
-    Raises:
-        TypeError: If an output is something else, or holds a tensor without a batch dimension.
+    Each micro-batch's output is copied into its rows as soon as it is computed, so that besides the whole
+    batch's output at most one micro-batch's is held (joining a list at the end would hold every one twice).
+
+    Args:
+        num_microbatches: How many micro-batches the batch was split into; with 1 the output is kept as it is.
     """
-    if len(outputs) == 1:
-        return outputs[0]
-    try:
-        flat = [activations.flatten(y) for y in outputs]
-    except TypeError as error:
-        raise TypeError(_CANNOT_CONCATENATE + f" Got a {type(outputs[0]).__name__}.") from error
-    parts = list(zip(*(tensors for tensors, _ in flat)))
-    if any(t.dim() == 0 for group in parts for t in group):
-        raise TypeError(_CANNOT_CONCATENATE + " Got a tensor without a batch dimension.")
-    return activations.unflatten([torch.cat(group) for group in parts], flat[0][1])
+
+    def __init__(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+        self._value: Any = None
+        self._tensors: list[torch.Tensor] = []
+        self._spec: activations.Spec | None = None
+
+    def add(self, index: int, output: Any) -> None:
+        """Copy micro-batch ``index``'s output into its rows.
+
+        Raises:
+            TypeError: If the output is not a tensor, or a tuple, list or dict of tensors, each with a first
+                dimension, or its structure or shapes differ from the first micro-batch's.
+        """
+        if self.num_microbatches == 1:
+            self._value = output
+            return
+        try:
+            tensors, spec = activations.flatten(output)
+        except TypeError as error:
+            raise TypeError(_CANNOT_JOIN + f" Got a {type(output).__name__}.") from error
+        if any(t.dim() == 0 for t in tensors):
+            raise TypeError(_CANNOT_JOIN + " Got a tensor without a batch dimension.")
+        if self._spec is None:
+            self._spec = spec
+            self._tensors = [t.new_empty((self.num_microbatches * t.shape[0], *t.shape[1:])) for t in tensors]
+        shapes = [(t.shape[0] // self.num_microbatches, *t.shape[1:]) for t in self._tensors]
+        if (spec.kind, spec.keys) != (self._spec.kind, self._spec.keys) or [t.shape for t in tensors] != shapes:
+            raise TypeError(
+                _CANNOT_JOIN + f" Micro-batch {index} returned {[tuple(t.shape) for t in tensors]} ({spec.kind}), "
+                f"the first {[tuple(s) for s in shapes]} ({self._spec.kind})."
+            )
+        for whole, part in zip(self._tensors, tensors):
+            rows = part.shape[0]
+            whole[index * rows : (index + 1) * rows].copy_(part)
+
+    def result(self) -> Any:
+        """The whole batch's output (a tensor, or the structure of the micro-batches' outputs)."""
+        if self.num_microbatches == 1:
+            return self._value
+        assert self._spec is not None, "no micro-batch output was added"
+        return activations.unflatten(self._tensors, self._spec)
 
 
 class PipelineEvaluation:
@@ -105,7 +140,7 @@ class PipelineEvaluation:
         if Op.RECV_F in plan.start:
             rt.prev.prefetch()
         received: dict[int, Any] = {}
-        outputs: list[Any] = []
+        output, joined = None, JoinedOutput(count) if rt.is_last else None
         for action, post_next in zip(actions, plan.post_next):
             if action.op is Op.RECV_F:
                 received[action.microbatch] = rt._receive_input()[0]
@@ -115,17 +150,19 @@ class PipelineEvaluation:
                 microbatch = microbatches[action.microbatch]
                 x = rt.inputs_fn(microbatch) if rt.is_first else received.pop(action.microbatch)
                 with rt.forward_context():
-                    outputs.append(rt.module(x, microbatch))
+                    output = rt.module(x, microbatch)
+                if joined is not None:
+                    joined.add(action.microbatch, output)
             else:
-                rt.next.send(rt._output_message(outputs.pop())[0], post_recv=post_next, tag=index)
-        if not rt.is_last:
+                rt.next.send(rt._output_message(output)[0], post_recv=post_next, tag=index)
+        if joined is None:
             # On gloo a send is let go only by a wait; the previous batch's have long been received.
             rt.next.wait_sends(through=index - 1)
             return None
-        return concatenate(outputs)
+        return joined.result()
 
 
-_CANNOT_CONCATENATE = (
+_CANNOT_JOIN = (
     "An evaluation batch split into micro-batches needs the last layer's outputs to be joined along their first "
     "(batch) dimension: return a tensor, or a tuple, list or dict (string keys) of tensors, each with a batch "
     "dimension, from the last pipeline layer."

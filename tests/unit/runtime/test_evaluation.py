@@ -1,5 +1,5 @@
-"""Micro-batched evaluation in one process: how many micro-batches, the layout signature, the concatenation of
-the outputs, and a one-stage runtime against the whole batch's forward (the multi-stage runs are in
+"""Micro-batched evaluation in one process: how many micro-batches, the layout signature, the joining of the
+outputs, and a one-stage runtime against the whole batch's forward (the multi-stage runs are in
 tests/multiprocess/test_evaluation.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_async_pp.runtime.evaluation import concatenate, evaluation_microbatches, signature_of
+from lightning_async_pp.runtime.evaluation import JoinedOutput, evaluation_microbatches, signature_of
 from lightning_async_pp.runtime.stage import StageRuntime
 
 
@@ -32,22 +32,38 @@ def test_signature_follows_dtypes_and_shapes_only():
     assert signature_of(a) != signature_of({"x": torch.zeros(2, 5), "y": torch.zeros(2, dtype=torch.int32)})
 
 
-def test_concatenate_joins_each_tensor_along_the_batch_dimension():
+def join(outputs: list):
+    joined = JoinedOutput(len(outputs))
+    for index, output in enumerate(outputs):
+        joined.add(index, output)
+    return joined.result()
+
+
+def test_joined_output_is_each_tensor_concatenated_along_the_batch_dimension():
     parts = [torch.randn(2, 3) for _ in range(3)]
-    torch.testing.assert_close(concatenate(parts), torch.cat(parts), rtol=0, atol=0)
-    assert concatenate(parts[:1]) is parts[0]
-    joined = concatenate([{"h": p, "ids": p.argmax(-1)} for p in parts])
-    assert list(joined) == ["h", "ids"] and joined["ids"].shape == (6,)
-    joined = concatenate([(p, p + 1) for p in parts])
-    assert isinstance(joined, tuple) and joined[1].shape == (6, 3)
-    assert isinstance(concatenate([[p] for p in parts]), list)
+    assert torch.equal(join(parts), torch.cat(parts))
+    assert join(parts[:1]) is parts[0]  # one micro-batch: the output itself
+    joined = join([{"h": p, "ids": p.argmax(-1)} for p in parts])
+    assert list(joined) == ["h", "ids"] and torch.equal(joined["ids"], torch.cat(parts).argmax(-1))
+    joined = join([(p, p.double() + 1) for p in parts])
+    assert isinstance(joined, tuple) and joined[1].dtype == torch.float64 and torch.equal(joined[0], torch.cat(parts))
+    assert isinstance(join([[p] for p in parts]), list)
+    # Micro-batches may arrive in any order: each lands in its own rows.
+    joined = JoinedOutput(3)
+    for index in (2, 0, 1):
+        joined.add(index, parts[index])
+    assert torch.equal(joined.result(), torch.cat(parts))
 
 
-def test_concatenate_refuses_what_has_no_batch_dimension():
+def test_joined_output_refuses_what_has_no_batch_dimension_or_changes():
     with pytest.raises(TypeError, match="batch"):
-        concatenate([torch.tensor(1.0), torch.tensor(2.0)])
+        join([torch.tensor(1.0), torch.tensor(2.0)])
     with pytest.raises(TypeError, match="batch"):
-        concatenate([{"logits": torch.zeros(2, 3), "n": 2}] * 2)
+        join([{"logits": torch.zeros(2, 3), "n": 2}] * 2)
+    with pytest.raises(TypeError, match="Micro-batch 1 returned"):
+        join([torch.zeros(2, 3), torch.zeros(2, 4)])
+    with pytest.raises(TypeError, match="Micro-batch 1 returned"):
+        join([(torch.zeros(2),), [torch.zeros(2)]])
 
 
 class Head(nn.Module):
@@ -93,3 +109,26 @@ def test_one_stage_evaluates_in_micro_batches_like_the_whole_batch():
             want = layers[1](layers[0](batch[0]))
         torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-6, atol=1e-6)
         assert torch.equal(got["best"], want["best"])
+
+
+def test_evaluation_during_a_training_run_asks_for_a_drain():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    runtime = StageRuntime(
+        kind="1f1b",
+        stage=0,
+        num_stages=1,
+        num_microbatches=2,
+        layers=[layer],
+        optimizer=torch.optim.SGD(layer.parameters(), lr=0.1),
+        inputs_fn=lambda batch: batch,
+        loss_fn=lambda output, batch: output.pow(2).mean(),
+        device=torch.device("cpu"),
+    )
+    runtime.run_step(0, torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match="drain"):
+        runtime.evaluate(torch.randn(4, 4))
+    runtime.drain()
+    batch = torch.randn(6, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(runtime.evaluate(batch), layer(batch), rtol=1e-6, atol=1e-6)  # the newest weights
