@@ -14,10 +14,10 @@ arrival (exact: every ``int16`` value is an ``int32``); its message always carri
 tensor, so that the receiver knows which tensors to narrow.
 
 The spec is decoded once per negotiated layout (the receiver reads it when the layout was just learnt, at a
-run start or for an evaluation batch), so the steady state reads nothing on the host; the sender checks
-that the structure does not change while the layout stays the same. The sender copies each spec to the device
-once and sends that same tensor with every later message of that spec, so the steady state copies nothing
-from the host either.
+run start or for evaluation micro-batches of new shapes), so the steady state reads nothing on the host; the
+sender checks that the structure does not change while the layout stays the same. The sender copies each spec
+to the device once and sends that same tensor with every later message of that spec, so the steady state
+copies nothing from the host either.
 """
 
 from __future__ import annotations

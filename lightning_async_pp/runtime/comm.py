@@ -4,12 +4,12 @@ A message is a sequence of tensors (an activation, or several; the gradients tha
 :class:`Channel` is one link between two neighbouring stages, carrying messages both ways.
 
 Layouts are negotiated, not sent with every message. The first message a channel sends after it was
-created or after :meth:`Channel.forget_layout` (a run start, an evaluation batch) is preceded by one small
-header that lists each tensor's dtype and shape; from then on only payloads travel, and the receiver
-allocates the next message's buffers from the layout it learnt, which lets it post the receive ahead of
-time. A sender checks each later message only against the negotiated layout (each tensor's dtype and shape);
-one that no longer matches stops with an error that says what to change (pipelines need a fixed
-micro-batch shape).
+created or after :meth:`Channel.forget_layout` (a run start, evaluation micro-batches of new shapes) is
+preceded by one small header that lists each tensor's dtype and shape; from then on only payloads travel,
+and the receiver allocates the next message's buffers from the layout it learnt, which lets it post the
+receive ahead of time. A sender checks each later message only against the negotiated layout (each tensor's
+dtype and shape); one that no longer matches stops with an error that says what to change (pipelines need a
+fixed micro-batch shape).
 
 Every transfer goes through :func:`torch.distributed.batch_isend_irecv`, and a send is batched with the
 receive that follows it on the same link (``send(..., post_recv=True)``). On NCCL, point-to-point
@@ -197,12 +197,13 @@ class Channel:
         """Messages whose sends are still held (their tensors referenced)."""
         return len(self._sends)
 
-    def wait_sends(self) -> None:
-        """Wait for every posted send (before the pipeline is considered empty)."""
-        for _, works, _ in self._sends:
-            for work in works:
+    def wait_sends(self, through: Any = None) -> None:
+        """Wait for the posted sends with a tag ``<= through``, or for every posted send (``None``: before the
+        pipeline is considered empty); their tensors are let go."""
+        sends = self._sends
+        while sends and (through is None or (sends[0][0] is not None and sends[0][0] <= through)):
+            for work in sends.popleft()[1]:
                 self._wait(work)
-        self._sends.clear()
 
     # --- receiving ---------------------------------------------------------------------------------------
 

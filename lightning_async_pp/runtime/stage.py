@@ -44,6 +44,7 @@ from lightning_async_pp.runtime.activations import Spec
 from lightning_async_pp.runtime.comm import Channel
 from lightning_async_pp.runtime.contract import StageModule
 from lightning_async_pp.runtime.data_order import DataOrderLink
+from lightning_async_pp.runtime.evaluation import PipelineEvaluation
 from lightning_async_pp.runtime.host_flag import HostFlag
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.ties import TiedGradients
@@ -173,6 +174,7 @@ class StageRuntime:
             self.add_observer(fn)
         self.run_start: int | None = None
         self.last_step: int | None = None
+        self._evaluation = PipelineEvaluation(self)
         self.is_first = self.stage == 0
         self.is_last = self.stage == self.num_stages - 1
         self.prev = self._link(self.prev_rank, self.stage - 1)
@@ -301,17 +303,11 @@ class StageRuntime:
         if self.updates is not None:
             self.updates.hyperparameters.clear()
 
-    @torch.no_grad()
-    def evaluate(self, batch: Any) -> Tensor | None:
-        """Forward one batch through the stage on the newest weights; returns the output on the last stage."""
-        self._forget_layouts()  # evaluation batches may differ in size (the last one often does)
-        x = self.inputs_fn(batch) if self.is_first else self._receive_input()[0]
-        with self.forward_context():
-            y = self.module(x, batch)
-        if not self.is_last:
-            self.next.send(self._output_message(y)[0])
-            return None
-        return y
+    def evaluate(self, batch: Any, num_microbatches: int | None = None) -> Any:
+        """Forward one batch through the stage on the newest weights, in up to ``num_microbatches`` micro-batches
+        (default: the runtime's; see :mod:`~lightning_async_pp.runtime.evaluation`). Every stage of the pipeline
+        must pass the same. Returns the whole batch's output on the last stage, ``None`` on the others."""
+        return self._evaluation.run(batch, self.num_microbatches if num_microbatches is None else num_microbatches)
 
     def previous_weights(self) -> dict[str, Tensor]:
         """The version before the newest one (what step ``newest`` will run on), keyed like the parameters."""
@@ -331,10 +327,13 @@ class StageRuntime:
     # --- messages ----------------------------------------------------------------------------------------
 
     def _forget_layouts(self) -> None:
+        # The messages of the old layout go first: on gloo only a wait lets them go, and their tags start over.
         for channel in (self.prev, self.next):
             if channel is not None:
+                channel.wait_sends()
                 channel.forget_layout()
         self._recv_spec = self._send_spec = None
+        self._evaluation.forget()
 
     def _receive_input(self) -> tuple[Any, Spec]:
         value, self._recv_spec = activations.read_message(self.prev.recv(), self._recv_spec)

@@ -4,7 +4,7 @@ Because the Lightning loop hands over one batch at a time, schedules are
 generated per *segment*: :func:`step_actions` gives what a stage does while
 the trainer processes step ``t``; :func:`drain_actions` gives what is left at
 the end of a run (the outstanding backwards and the last ``UPDATE``; empty for
-"1f1b"); :func:`evaluation_actions` gives one evaluation batch. :func:`build_schedule`
+"1f1b"); :func:`evaluation_actions` gives one evaluation batch, micro-batched. :func:`build_schedule`
 concatenates them into a finite :class:`Schedule` for checking
 (:func:`~lightning_async_pp.schedule.check`) and timing
 (:func:`~lightning_async_pp.schedule.simulate.simulate`); :func:`gpipe_schedule`
@@ -163,16 +163,23 @@ def drain_actions(
     return _lower(out, P) if with_comm else out
 
 
-def evaluation_actions(num_stages: int, stage: int, index: int) -> list[Action]:
-    """What ``stage`` does for one evaluation batch (``index`` numbers them; rendered as step ``-1-index``)."""
+def evaluation_actions(num_stages: int, stage: int, index: int, num_microbatches: int = 1) -> list[Action]:
+    """What ``stage`` does for one evaluation batch of ``num_microbatches`` micro-batches, forwards only.
+
+    Each micro-batch is received, forwarded and sent on before the next one, so stage ``s`` forwards
+    micro-batch ``i`` while stage ``s + 1`` forwards ``i - 1``: the stages overlap as in a pipeline's fill.
+    ``index`` numbers the batches; they are rendered as step ``-1-index`` (``"1F-1.2"``) and run on version 0.
+    """
     require_position(num_stages, stage, 0, 0)
+    require_int("num_microbatches", num_microbatches, 1)
     step = -1 - index
     out = []
-    if stage > 0:
-        out.append(Action(stage, Op.RECV_F, step, 0, 0))
-    out.append(Action(stage, Op.FORWARD, step, 0, 0))
-    if stage < num_stages - 1:
-        out.append(Action(stage, Op.SEND_F, step, 0, 0))
+    for mb in range(num_microbatches):
+        if stage > 0:
+            out.append(Action(stage, Op.RECV_F, step, mb, 0))
+        out.append(Action(stage, Op.FORWARD, step, mb, 0))
+        if stage < num_stages - 1:
+            out.append(Action(stage, Op.SEND_F, step, mb, 0))
     return out
 
 

@@ -28,6 +28,7 @@ from lightning_async_pp.strategy.stage_stats import StageStatistics
 from lightning_async_pp.strategy.topology import ProcessGroups
 
 __all__ = [
+    "evaluation_microbatches",
     "evaluation_runtime",
     "setup_stage",
     "stage_evaluation_step",
@@ -133,7 +134,14 @@ def training_runtime(strategy: Any, trainer: Trainer) -> StageRuntime:
 
 def evaluation_runtime(strategy: Any) -> StageRuntime:
     """A runtime that only runs forwards, for validation or testing outside of ``fit`` (no optimizer)."""
-    return StageRuntime(kind="1f1b", num_microbatches=1, optimizer=None, **_stage_arguments(strategy))
+    count = evaluation_microbatches(strategy)
+    return StageRuntime(kind="1f1b", num_microbatches=count, optimizer=None, **_stage_arguments(strategy))
+
+
+def evaluation_microbatches(strategy: Any) -> int:
+    """The most micro-batches an evaluation batch is split into: the strategy's ``num_microbatches``, the count
+    training uses; with ``"auto"``, 1 until a training step has chosen it (a ``validate`` outside ``fit``)."""
+    return 1 if strategy.auto_microbatches else strategy.num_microbatches
 
 
 def stage_training_step(strategy: Any, module: LightningModule, batch: Any) -> Tensor:
@@ -165,7 +173,7 @@ def stage_evaluation_step(strategy: Any, kind: str, args: tuple, kwargs: dict) -
     batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
     if strategy._runtime is None:  # validation or testing outside of fit
         strategy._runtime = evaluation_runtime(strategy)
-    output = strategy._runtime.evaluate(batch)
+    output = strategy._runtime.evaluate(batch, evaluation_microbatches(strategy))
     if output is None:
         return None
     return pipeline_evaluation_step(strategy.lightning_module, kind, output, batch, batch_idx)

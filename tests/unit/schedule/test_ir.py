@@ -51,7 +51,7 @@ def test_from_str_inverts_str_over_schedules(kind, P, M, with_comm):
 def test_from_str_inverts_str_for_evaluation_and_gpipe(P):
     for stage in range(P):
         for index in range(3):
-            for a in evaluation_actions(P, stage, index):
+            for a in evaluation_actions(P, stage, index, num_microbatches=index + 1):
                 assert_round_trip(a, None)
     # GPipe uses version t at step t, as 1f1b does.
     for a in (a for stage in gpipe_schedule(P, 2 * P, 3).stages for a in stage):

@@ -14,7 +14,9 @@ from lightning_async_pp.schedule import (
     build_schedule,
     check,
     drain_actions,
+    evaluation_actions,
     liveness_trace,
+    posting_plan,
     stage_footprint,
     step_actions,
     validate,
@@ -206,6 +208,22 @@ def test_communication_lowering_by_hand():
     assert not any(a.op in (Op.SEND_F, Op.RECV_B) for a in last)
     assert [a.peer for a in seg[:3]] == [0, None, 2]
     assert not any(a.is_comm for a in build_schedule("2bw", 1, 2, 3).stages[0])
+
+
+def test_evaluation_by_hand():
+    # Forwards only, micro-batch after micro-batch: stage 1 receives micro-batch i, forwards it and sends it on
+    # before micro-batch i + 1, and posts the receive of i + 1 as soon as i arrived (the transfer overlaps F i).
+    seg = evaluation_actions(3, stage=1, index=0, num_microbatches=3)
+    assert [str(a) for a in seg] == "1RF-1.0 1F-1.0 1SF-1.0 1RF-1.1 1F-1.1 1SF-1.1 1RF-1.2 1F-1.2 1SF-1.2".split()
+    assert all(a.version == 0 for a in seg)
+    plan = posting_plan(seg)
+    assert plan.start == {Op.RECV_F}
+    assert [str(a) for a, post in zip(seg, plan.post_next) if post] == ["1RF-1.0", "1RF-1.1"]
+    assert [str(a) for a in evaluation_actions(3, 0, 1, 2)] == "0F-2.0 0SF-2.0 0F-2.1 0SF-2.1".split()
+    assert [str(a) for a in evaluation_actions(3, 2, 0)] == "2RF-1.0 2F-1.0".split()
+    assert [str(a) for a in evaluation_actions(1, 0, 0, 2)] == "0F-1.0 0F-1.1".split()
+    with pytest.raises(ValueError, match="num_microbatches"):
+        evaluation_actions(2, 0, 0, 0)
 
 
 # --------------------------------------------------------------------------- segments and drains

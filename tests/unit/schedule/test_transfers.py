@@ -9,6 +9,7 @@ the runtime follows (:func:`host_program` over :func:`posting_plan`), and the la
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -43,7 +44,8 @@ def segments(kind: str, P: int, M: int, stage: int, runs, evaluations: int = 2, 
             if sync_each_step:
                 out.append(FLUSH)
         out += [drain_actions(kind, P, M, stage, end - 1, run_start=start), FLUSH]
-        out += [evaluation_actions(P, stage, index) for index in range(evaluations)]
+        # Evaluation batches of M micro-batches, then of one (a last batch that M does not divide).
+        out += [evaluation_actions(P, stage, index, M if index % 2 == 0 else 1) for index in range(evaluations)]
     return out
 
 
@@ -215,7 +217,7 @@ class RecordingChannel:
     def forget_layout(self) -> None:
         assert not self.posted
 
-    def wait_sends(self) -> None:
+    def wait_sends(self, through=None) -> None:
         pass
 
 
@@ -311,7 +313,8 @@ def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monke
             for step in range(start, end):
                 runtime.run_step(step, torch.randn(rows * M, width))
             runtime.drain()
-            for _ in range(2):
-                runtime.evaluate(torch.randn(rows, width))
+            # As `segments` has them: a batch of M micro-batches, then one of a prime size above M (not split).
+            for size in (rows * M, next(n for n in itertools.count(M + 1) if all(n % d for d in range(2, n)))):
+                runtime.evaluate(torch.randn(size, width))
         expected = project(host_program(segments(kind, P, M, stage, RUNS), collectives=collectives), stage)
         assert log == expected, f"stage {stage}"
