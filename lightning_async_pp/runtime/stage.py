@@ -105,7 +105,7 @@ class StageRuntime:
             not match the previous stage's (:mod:`~lightning_async_pp.runtime.data_order`). On CPU the check
             stops the step before its first forward; on a GPU the result is read without waiting for the
             device, at the latest two steps later and at every :meth:`drain`. Every stage of a pipeline must
-            agree on it; with more than one stage it needs ``order_group``.
+            agree on it; a training runtime of more than one stage needs ``order_group``.
         order_group: Process group of the pipeline's stages for the data-order messages only (one per step and
             link), so that they never queue behind activations.
         before_update: Called once per step when the stage's gradient of that step is complete (averaged over
@@ -191,7 +191,7 @@ class StageRuntime:
         self._losses: dict[int, list[Tensor]] = {}
         self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
         self._order: DataOrderLink | None = None
-        if self.check_data_order and self.num_stages > 1:
+        if self.check_data_order and self.num_stages > 1 and self.optimizer is not None:  # training only
             if self.order_group is None:
                 raise ValueError(
                     "check_data_order=True needs `order_group`, a process group of this pipeline's stages for the "
