@@ -52,7 +52,15 @@ from lightning_async_pp.runtime.timing import StepStats, StepTimer
 from lightning_async_pp.runtime.updates import UpdateDriver
 from lightning_async_pp.runtime.versions_swap import ParameterSwap
 from lightning_async_pp.runtime.weights import WeightVersions
-from lightning_async_pp.schedule import Action, Op, drain_actions, posting_plan, step_actions, validate
+from lightning_async_pp.schedule import (
+    Action,
+    Op,
+    drain_actions,
+    gradients_received_before_forward,
+    posting_plan,
+    step_actions,
+    validate,
+)
 
 Key = tuple[int, int]  # (step, micro-batch)
 Observer = Callable[[Action, float, float], None]
@@ -429,10 +437,12 @@ class StageRuntime:
     def _recv_forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
         self._received[key] = self._receive_input()
-        # The previous stage ran this forward on version `a.version`, after the update that made it, which had
-        # consumed the gradients of step `a.version - 1` and earlier: every gradient this stage sent for those
-        # steps has been received.
-        self.prev.peer_received((a.version - 1, self.num_microbatches))
+        # The previous stage ran this forward after the receives its action list puts first: those gradients arrived.
+        received = gradients_received_before_forward(
+            self.kind, self.num_stages, self.num_microbatches, self.stage - 1, a.step, a.microbatch, self.run_start
+        )
+        if received is not None:
+            self.prev.peer_received(received)
         if post_next:
             self.prev.prefetch()
 

@@ -14,6 +14,7 @@ from lightning_async_pp.schedule.generate import (
     drain_actions,
     evaluation_actions,
     gpipe_schedule,
+    gradients_received_before_forward,
     stage_footprint,
     step_actions,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "drain_actions",
     "evaluation_actions",
     "gpipe_schedule",
+    "gradients_received_before_forward",
     "host_program",
     "liveness_trace",
     "posting_plan",

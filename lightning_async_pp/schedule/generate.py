@@ -26,6 +26,7 @@ __all__ = [
     "drain_actions",
     "evaluation_actions",
     "gpipe_schedule",
+    "gradients_received_before_forward",
     "stage_footprint",
     "step_actions",
 ]
@@ -123,6 +124,28 @@ def step_actions(
             out.append(_compute(kind, P, M, s, Op.BACKWARD, base + m))
         out.append(_update(s, step, M))
     return _lower(out, P) if with_comm else out
+
+
+def gradients_received_before_forward(
+    kind: str, num_stages: int, num_microbatches: int, stage: int, step: int, microbatch: int, run_start: int = 0
+) -> tuple[int, int] | None:
+    """The newest ``(step, micro-batch)`` whose gradient ``stage`` has received from the next stage when it runs
+    the forward of ``(step, microbatch)`` (gradients arrive in that order); ``None`` if none of this run.
+
+    Read from :func:`step_actions`: under "2bw" the forward of global micro-batch ``i`` follows the backward of
+    ``i - W - 1`` (``W = P-1-stage``); under "1f1b" the forward of micro-batch ``m`` follows the backwards of the
+    step's first ``m - W`` micro-batches, and a step starts after every backward of the one before.
+    """
+    validate(kind, num_stages, num_microbatches)
+    M, warmup = num_microbatches, num_stages - 1 - stage
+    if kind == "2bw":
+        received = step * M + microbatch - warmup - 1
+    else:
+        done = microbatch - min(warmup, M)  # backwards of this step before the forward
+        received = step * M + done - 1 if done > 0 else step * M - 1
+    if received < run_start * M:
+        return None
+    return received // M, received % M
 
 
 def drain_actions(

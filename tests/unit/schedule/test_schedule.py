@@ -375,3 +375,25 @@ def test_configs_cover_the_brief():
         for M in (P, 2 * P, P + 1):
             assert (kind, P, M) in kinds
     assert any(k == "1f1b" and M < P for k, P, M in CONFIGS)
+
+
+@pytest.mark.parametrize("kind", ["2bw", "1f1b"])
+@pytest.mark.parametrize("P", [2, 3, 4, 6])
+@pytest.mark.parametrize("run_start", [0, 2])
+def test_gradients_received_before_each_forward_follow_the_action_lists(kind, P, run_start):
+    """The closed form against a scan of the stage's own action lists: the newest gradient received before
+    each forward (what lets the next stage release its sends)."""
+    from lightning_async_pp.schedule import gradients_received_before_forward
+
+    for M in sorted({P, P + 1, 2 * P}):
+        for stage in range(P - 1):
+            last, checked = None, 0
+            for step in range(run_start, run_start + 5):
+                for a in step_actions(kind, P, M, stage, step, run_start):
+                    if a.op is Op.RECV_B:
+                        last = (a.step, a.microbatch)
+                    elif a.op is Op.FORWARD:
+                        got = gradients_received_before_forward(kind, P, M, stage, a.step, a.microbatch, run_start)
+                        assert got == last, (kind, P, M, stage, a)
+                        checked += last is not None
+            assert checked > 0
