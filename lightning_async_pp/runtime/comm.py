@@ -187,10 +187,7 @@ class Channel:
 
         Waiting for such a send does not block (its receive has matched), on gloo as on NCCL.
         """
-        sends = self._sends
-        while sends and sends[0][0] is not None and sends[0][0] <= through:
-            for work in sends.popleft()[1]:
-                self._wait(work)
+        self.wait_sends(through)
 
     @property
     def pending_sends(self) -> int:
