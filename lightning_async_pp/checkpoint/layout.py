@@ -8,9 +8,11 @@ A checkpoint is a directory::
         meta.pt             the rest of Lightning's checkpoint (loops, callbacks, hyperparameters), from rank 0
 
 Every stage writes its own tensors (replica 0 of each stage; the other replicas hold the same values); no
-tensor travels through a collective. Keys are the model's parameter names, so a checkpoint does not depend
-on the number of stages: a run resumed at another ``P`` or ``D`` reads, on each stage, the keys of the
-layers it owns now, wherever they were saved (DCP's load planner does the re-sharding).
+tensor travels through a collective. With the optimizer state sharded over the replicas, each replica writes
+the optimizer entries of the tensors it owns, under the same keys. Keys are the model's parameter names, so a
+checkpoint does not depend on the number of stages or replicas: a run resumed at another ``P`` or ``D``,
+sharded or not, reads on each stage the keys of the layers (and optimizer state) it owns now, wherever they
+were saved (DCP's load planner does the re-sharding).
 
 Keys (``fqn`` is a name of the LightningModule's ``state_dict``):
 
@@ -112,6 +114,7 @@ def stage_shard(
     previous: dict[str, Tensor] | None,
     stage: int,
     aliases: dict[str, str] | None = None,
+    optimizer_only: bool = False,
 ) -> dict[str, Any]:
     """The flat, name-keyed DCP state of one stage.
 
@@ -123,12 +126,16 @@ def stage_shard(
         stage: The stage index (names the RNG state).
         aliases: :func:`parameter_aliases` of the whole model: a tied copy's training state is saved under the
             parameter's first name (every stage holding a copy writes the same, identical entry; DCP keeps one).
+        optimizer_only: Only the optimizer's entries (a replica that owns part of a sharded optimizer state,
+            whose weights another replica writes).
     """
     aliases = aliases or {}
-    shard: dict[str, Any] = {MODEL_PREFIX + name: tensor for name, tensor in state_dict.items()}
+    shard: dict[str, Any] = {}
+    if not optimizer_only:
+        shard.update({MODEL_PREFIX + name: tensor for name, tensor in state_dict.items()})
     if optimizer is None:
         return shard
-    for name, tensor in (previous or {}).items():
+    for name, tensor in (previous or {}).items() if not optimizer_only else ():
         shard[PREVIOUS_PREFIX + aliases.get(name, name)] = tensor
     names = {id(p): aliases.get(n, n) for n, p in module.named_parameters()}
     for group in optimizer.param_groups:
@@ -138,7 +145,8 @@ def stage_shard(
             shard[GROUP_PREFIX + name] = hyperparameters
             for key, value in optimizer.state.get(param, {}).items():
                 shard[f"{STATE_PREFIX}{name}.{key}"] = value
-    shard[f"{RNG_PREFIX}{stage}"] = rng_state()
+    if not optimizer_only:
+        shard[f"{RNG_PREFIX}{stage}"] = rng_state()
     return shard
 
 

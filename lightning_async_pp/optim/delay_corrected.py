@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_async_pp.optim.granularity import updates_per_parameter
+
 STATE_KEY = "previous_update"
 """Key of the previous uncorrected update in the base optimizer's per-parameter state."""
 
@@ -127,6 +129,12 @@ class DelayCorrected(Optimizer):
         # `Optimizer.__init__` would create new `param_groups` and `state`; the wrapper uses the base
         # optimizer's, so only the hook bookkeeping is set up, the way unpickling does it.
         self.__setstate__({"base_optimizer": optimizer, "coefficient": coefficient})
+
+    @property
+    def per_parameter(self) -> bool:
+        """Whether each parameter's update reads only its own gradient and state: the correction's state (its
+        previous update, and ``"auto"``'s statistics) is per tensor, so as the base optimizer's."""
+        return updates_per_parameter(self.base_optimizer)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

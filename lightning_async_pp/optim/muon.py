@@ -298,6 +298,9 @@ class Muon(Optimizer):
         optimizer = Muon(model, lr=0.02, adamw_modules=[nn.Embedding], adamw_patterns=["classifier.*"])
     """
 
+    per_parameter = True
+    """Each parameter's update reads only its own gradient and state (Muon's orthogonalization is per matrix)."""
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]] | nn.Module,

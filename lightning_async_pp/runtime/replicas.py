@@ -110,14 +110,20 @@ class ReplicaAverage:
         return self._buckets
 
     def _averages(self, flat: Tensor, world_size: int) -> bool:
-        """Whether the backend's ``AVG`` gives exactly the sum divided by ``world_size`` for ``flat``."""
         key = (flat.device, flat.dtype)
         if key not in self._avg:
-            backend = str(dist.get_backend(self.group))
-            nccl = backend == "nccl" or (flat.device.type == "cuda" and "cuda:nccl" in backend)
-            power_of_two = world_size & (world_size - 1) == 0
-            self._avg[key] = nccl and power_of_two and flat.dtype in _AVG_DTYPES
+            self._avg[key] = averages_exactly(self.group, flat, world_size)
         return self._avg[key]
+
+
+def averages_exactly(group: Any, flat: Tensor, world_size: int) -> bool:
+    """Whether the backend's ``ReduceOp.AVG`` over ``group`` gives exactly the sum divided by ``world_size`` for
+    ``flat``: on NCCL, for a power-of-two ``world_size`` and a dtype whose scaling by it is exact (gloo has no
+    ``AVG``)."""
+    backend = str(dist.get_backend(group))
+    nccl = backend == "nccl" or (flat.device.type == "cuda" and "cuda:nccl" in backend)
+    power_of_two = world_size & (world_size - 1) == 0
+    return nccl and power_of_two and flat.dtype in _AVG_DTYPES
 
 
 def _nothing() -> None:

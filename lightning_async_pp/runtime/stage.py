@@ -126,6 +126,8 @@ class StageRuntime:
             :meth:`drain` (so before any validation, checkpoint or the end of training). See
             :class:`FiniteCheck`.
         ties: Sums the gradients of parameters this stage shares with other stages (tied weights).
+        shard_optimizer: Keep only this replica's part of the optimizer state (``data_group``'s replicas each own
+            whole tensors, see :mod:`~lightning_async_pp.runtime.sharding`).
         observers: Called as ``fn(action, begin, end)`` after each action (see :meth:`add_observer`).
     """
 
@@ -155,6 +157,7 @@ class StageRuntime:
     trace_window: int = 20_000
     time_actions: bool = True
     observers: Sequence[Observer] = ()
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         validate(self.kind, self.num_stages, self.num_microbatches)
@@ -175,6 +178,7 @@ class StageRuntime:
                 data_group=self.data_group,
                 before_update=self.before_update,
                 ties=self.ties,
+                shard=self.shard_optimizer,
             )
         self.timer = StepTimer(self.device, self.trace, self.trace_window, self.time_actions)
         self._observers: collections.OrderedDict[int, Observer] = collections.OrderedDict()
@@ -254,7 +258,7 @@ class StageRuntime:
                 f"The runtime of pipeline stage {self.stage} was built without an optimizer (optimizer=None), for "
                 "evaluation only, so it cannot train: `run_step` needs an optimizer over the stage's parameters."
             )
-        self._read_finite_checks(wait_beyond=2)
+        read_finite_checks(self._finite_checks, wait_beyond=2)
         if self._order is not None:
             self._order.read_checks(oldest_step=step - 2)
         if self.run_start is None:
@@ -275,15 +279,8 @@ class StageRuntime:
             if self.check_finite:
                 self._finite_checks.append(FiniteCheck(losses, step, self.stage))
             loss = losses.mean()
-        self.timer.end_step(self._version_lag())
+        self.timer.end_step(self.updates.version_lag())
         return loss, self.timer.pop_ready()
-
-    def _version_lag(self) -> int:
-        """How many versions the newest update's gradient was behind the version it produced, less one."""
-        if not self.updates.log:
-            return 0
-        _, gradient_version, produced = self.updates.log[-1]
-        return (produced - 1) - max(gradient_version, 0)
 
     def take_stats(self) -> list[StepStats]:
         """The timings of every step run so far that :meth:`run_step` has not returned yet (waits for the device)."""
@@ -305,7 +302,7 @@ class StageRuntime:
         if self._order is not None:
             self._order.wait_sends()
             self._order.read_checks(oldest_step=None)
-        self._read_finite_checks(wait_beyond=0)
+        read_finite_checks(self._finite_checks, wait_beyond=0)
         self.timer.resolve(wait_beyond=0)
         self.run_start = None
         if self.updates is not None:
@@ -358,12 +355,6 @@ class StageRuntime:
                 "structure."
             )
         return tensors, spec
-
-    def _read_finite_checks(self, wait_beyond: int) -> None:
-        """Raise for a non-finite loss the device has reported; wait for flags older than ``wait_beyond`` steps."""
-        checks = self._finite_checks
-        while checks and (len(checks) > wait_beyond or checks[0].ready()):
-            checks.popleft().raise_if_not_finite()
 
     # --- the interpreter -------------------------------------------------------------------------------
 
@@ -433,6 +424,7 @@ class StageRuntime:
                     torch.autograd.backward(outputs, grads[: len(outputs)])
         if not self.is_first:
             self._input_grads[key] = activations.input_grads(x, x_spec)
+        self.updates.advance()
 
     def _recv_forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
@@ -504,6 +496,12 @@ class FiniteCheck:
     def raise_if_not_finite(self) -> None:
         if self._not_finite.get():
             check_finite_losses(self.losses, self.step, self.stage)
+
+
+def read_finite_checks(checks: collections.deque[FiniteCheck], wait_beyond: int) -> None:
+    """Raise for a non-finite loss the device has reported; wait for flags older than ``wait_beyond`` steps."""
+    while checks and (len(checks) > wait_beyond or checks[0].ready()):
+        checks.popleft().raise_if_not_finite()
 
 
 def check_finite_losses(losses: Tensor, step: int, stage: int) -> None:

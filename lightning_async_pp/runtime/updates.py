@@ -7,6 +7,12 @@ new version is first needed (the first forward of step ``t + 2`` in 2BW), which 
 a barrier: the average over data-parallel replicas (bucketed, :mod:`~lightning_async_pp.runtime.replicas`),
 the sums of tied gradients (:mod:`~lightning_async_pp.runtime.ties`), and with gradient clipping the
 global norm, which needs every stage's share.
+
+With the optimizer state sharded over the replicas (:mod:`~lightning_async_pp.runtime.sharding`), the average
+is a reduce-scatter to each tensor's owner, the owner steps its tensors, and an all-gather brings the new
+weights to every replica. Without clipping, hook or ties, the reduce-scatter posted at ``UPDATE(t)`` is
+waited for at the stage's next backward, where the owner steps and posts the all-gather, which is waited for
+where the version is first needed: both overlap compute.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_async_pp.runtime.replicas import ReplicaAverage
+from lightning_async_pp.runtime.sharding import ReplicaShards, check_shardable, keep_owned, plan_owners
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.weights import WeightVersions
 from lightning_async_pp.schedule import weight_version
@@ -44,6 +51,9 @@ class PendingUpdate:
         work: The norm's all-reduce in flight.
         finish: Completes the tied-gradient sums (and the norm); returns the norm when it computed it.
         average: Completes the average over replicas (before ``finish``).
+        reduce: Returns the owned gradients once their reduce-scatter has arrived (sharded state): set until the
+            update is stepped, at the next backward (:meth:`UpdateDriver.advance`) or where the version is needed.
+        gather: Completes the all-gather of the owners' new weights (sharded state, once stepped).
     """
 
     step: int
@@ -52,6 +62,8 @@ class PendingUpdate:
     work: Any = None
     finish: Callable[[], Tensor | None] | None = None
     average: Callable[[], None] | None = None
+    reduce: Callable[[], dict[str, Tensor]] | None = None
+    gather: Callable[[], None] | None = None
 
 
 class StepHyperparameters:
@@ -142,6 +154,9 @@ class UpdateDriver:
         before_update: Called with the complete gradient in the parameters' ``.grad`` (averaged over the
             replicas, not yet clipped, a tied parameter's still this stage's share); it may change them in place.
         ties: Sums the gradients of parameters this stage shares with other stages (tied weights).
+        shard: Shard the optimizer state over the replicas of ``data_group``: ``optimizer`` keeps only the
+            parameters this replica owns (it is changed in place). ``before_update`` sees the owned gradients
+            (and the tied ones) only.
     """
 
     def __init__(
@@ -156,13 +171,21 @@ class UpdateDriver:
         data_group: Any = None,
         before_update: Callable[[], None] | None = None,
         ties: TiedGradients | None = None,
+        shard: bool = False,
     ) -> None:
         self.optimizer, self.weights = optimizer, weights
         self.params: dict[str, nn.Parameter] = weights.params
         self.kind, self.num_stages, self.device = kind, num_stages, device
         self.clip_grad_norm, self.norm_group, self.data_group = clip_grad_norm, norm_group, data_group
         self.before_update, self.ties = before_update, ties
-        self.replicas = ReplicaAverage(data_group) if data_group is not None else None
+        self.replicas = ReplicaAverage(data_group) if data_group is not None and not shard else None
+        self.shards: ReplicaShards | None = None
+        self._tied: list[str] = []
+        self.stepped = list(self.params)
+        """Names of the parameters this stage's optimizer steps (this replica's own, with sharded state)."""
+        if shard and data_group is not None:
+            self.shards = self._shard(data_group)
+            self.stepped = self.shards.owned
         self.defer_average = before_update is None and clip_grad_norm is None and ties is None
         """Whether the average over replicas stays in flight after ``UPDATE``."""
         self.hyperparameters = StepHyperparameters(optimizer)
@@ -170,11 +193,38 @@ class UpdateDriver:
         self.log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
         """Recent updates as (step, version the gradient was computed on, version produced)."""
 
+    def _shard(self, data_group: Any) -> ReplicaShards:
+        check_shardable(self.optimizer)
+        replicas = dist.get_world_size(data_group)
+        sizes = {name: p.numel() * p.element_size() for name, p in self.params.items()}
+        shards = ReplicaShards(self.params, plan_owners(sizes, replicas), dist.get_rank(data_group), data_group)
+        keep_owned(self.optimizer, [self.params[name] for name in shards.owned])
+        if self.ties is not None:
+            # Every replica sums its copies of a tie over the stages, as without sharding, so every replica needs
+            # the tied gradients averaged: an all-reduce, besides the reduce-scatter (only the owner steps them).
+            self._tied = [name for name in self.params if name in self.ties.local_names]
+            self.replicas = ReplicaAverage(data_group)
+        return shards
+
     def start(self, step: int) -> None:
         """Take step ``step``'s gradient off its buffer; apply now, or once what it waits for has arrived."""
         grads = self.weights.take_gradients(weight_version(self.kind, step))
         pending = PendingUpdate(step, grads)
-        if self.replicas is not None:
+        if self.shards is not None:
+            if self.clip_grad_norm is None and self.ties is None:
+                # The flat buffers are reused: the previous update's all-gather, which may still be in flight (it
+                # needs the replicas alone), lands first. (Otherwise it was waited for right after its step.)
+                self.complete(up_to_version=step)
+            if self.defer_average:
+                pending.grads, pending.reduce = {}, self.shards.reduce(grads)
+                self.pending.append(pending)
+                return
+            reduce = self.shards.reduce(grads)
+            tied = {name: grads[name] for name in self._tied}
+            if tied:
+                self.replicas.start(tied, views=False)()
+            pending.grads = grads = {**reduce(), **tied}
+        elif self.replicas is not None:
             if self.defer_average:
                 # The buckets still hold an earlier step's gradient where its version was not needed yet
                 # (2BW's last stage): apply it first, on its own buffer, which no micro-batch uses any more.
@@ -191,17 +241,40 @@ class UpdateDriver:
         elif self.ties is not None:
             pending.finish = self.ties.start(grads)
             self.pending.append(pending)
+        elif self.shards is not None:
+            pending.reduce = lambda: grads  # stepped at the next backward, as without the hook
+            self.pending.append(pending)
         else:
             self.apply(pending)
+
+    def advance(self) -> None:
+        """Step on the owned gradients whose reduce-scatter was posted at an earlier action, and post their
+        all-gather (sharded state without clipping, hook or ties; called at each backward)."""
+        for pending in self.pending:
+            if pending.reduce is not None:
+                pending.grads, pending.reduce = pending.reduce(), None
+                self._step(pending)
 
     def _start_norm(self, pending: PendingUpdate) -> None:
         # A tied parameter's norm is that of its summed gradient, counted once (added by `ties`).
         tied = self.ties.local_names if self.ties is not None else set()
         # In float32 whatever the gradients' dtype, as `torch.linalg.vector_norm(g.float())` per gradient: a
         # narrower dtype is widened inside the kernel, a wider one (float64) is cast first, as before.
-        untied = [g if g.dtype in _NORM_INPUTS else g.float() for n, g in pending.grads.items() if n not in tied]
-        norms = torch._foreach_norm(untied, dtype=torch.float32) if untied else ()
-        local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
+        names = [n for n in self.params if n not in tied]
+        mine = [n for n in names if n in pending.grads]  # all of them, unless the state is sharded
+        untied = [pending.grads[n] for n in mine]
+        untied = [g if g.dtype in _NORM_INPUTS else g.float() for g in untied]
+        norms = torch.stack(torch._foreach_norm(untied, dtype=torch.float32)) if untied else None
+        if self.shards is not None:
+            # Each replica holds its own tensors' norms: the others' come as exact sums with zeros, so the stage's
+            # norm is summed in the same order and to the same bits as without sharding.
+            every = torch.zeros(len(names), dtype=torch.float32, device=self.device)
+            if norms is not None:
+                slots = torch.tensor([names.index(n) for n in mine], device=self.device)
+                every.index_copy_(0, slots, norms)
+            dist.all_reduce(every, group=self.data_group)
+            norms = every if names else None
+        local = norms.pow(2).sum() if norms is not None else torch.zeros((), device=self.device)
         pending.norm_sq = local.reshape(1)
         if self.ties is not None:
             pending.finish = self.ties.start(pending.grads, pending.norm_sq, self.norm_group)
@@ -210,10 +283,10 @@ class UpdateDriver:
 
     def _call_before_update(self, grads: dict[str, Tensor]) -> None:
         for name, param in self.params.items():
-            param.grad = grads[name]
+            param.grad = grads.get(name)
         self.before_update()
         for name, param in self.params.items():
-            if param.grad is not None:  # the hook may have replaced a gradient
+            if param.grad is not None and name in grads:  # the hook may have replaced a gradient
                 grads[name] = param.grad
             param.grad = None
 
@@ -223,34 +296,61 @@ class UpdateDriver:
             pending = self.pending.pop(0)
             if pending.average is not None:
                 pending.average()
+            if pending.reduce is not None:
+                pending.grads, pending.reduce = pending.reduce(), None
             if pending.work is not None:
                 pending.work.wait()
             if pending.finish is not None:
                 norm_sq = pending.finish()
                 if norm_sq is not None:
                     pending.norm_sq = norm_sq
-            self.apply(pending)
+            if pending.gather is None:
+                self._step(pending)
+            if pending.gather is not None:
+                pending.gather()
+            self._publish(pending)
 
-    @torch.no_grad()
     def apply(self, pending: PendingUpdate) -> None:
         """Write version ``pending.step + 1``: step the optimizer on the (clipped) gradient."""
+        self._step(pending)
+        if pending.gather is not None:
+            pending.gather()
+        self._publish(pending)
+
+    @torch.no_grad()
+    def _step(self, pending: PendingUpdate) -> None:
+        """Step the optimizer on the (clipped) gradient into version ``pending.step + 1``'s buffer; with sharded
+        state, post the all-gather of the owned tensors."""
         step = pending.step
         scale = None
         if pending.norm_sq is not None:
             total = pending.norm_sq.sqrt()
             scale = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
         self.weights.prepare(step + 1)
-        grads = [pending.grads[name] for name in self.params]
+        grads = [pending.grads[name] for name in self.stepped]
         if scale is not None:
             # Per dtype, as `grad.mul_(scale.to(grad.dtype))` does one gradient at a time.
             for dtype in dict.fromkeys(g.dtype for g in grads):
                 torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.reshape(()).to(dtype))
-        for param, grad in zip(self.params.values(), grads):
-            param.grad = grad
+        for name, grad in zip(self.stepped, grads):
+            self.params[name].grad = grad
         with self.hyperparameters.of(step):
             self.optimizer.step()
         self.hyperparameters.stepped()
-        for param in self.params.values():
-            param.grad = None
+        for name in self.stepped:
+            self.params[name].grad = None
+        pending.grads = {}
+        if self.shards is not None:
+            pending.gather = self.shards.gather(self.weights.of(step + 1))
+
+    def version_lag(self) -> int:
+        """How many versions the newest update's gradient was behind the version it produced, less one."""
+        if not self.log:
+            return 0
+        _, gradient_version, produced = self.log[-1]
+        return (produced - 1) - max(gradient_version, 0)
+
+    def _publish(self, pending: PendingUpdate) -> None:
+        step = pending.step
         self.log.append((step, self.weights.used.get(step, step), step + 1))
         self.weights.newest = step + 1

@@ -88,8 +88,9 @@ def _aliases(strategy: Any) -> dict[str, str]:
 
 
 def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None) -> None:
-    """Write a checkpoint directory: each stage its own shard (replica 0 of each stage), rank 0 the metadata
-    with the pipeline's record (a collective: every rank calls it).
+    """Write a checkpoint directory: each stage its own shard (replica 0 of each stage; with sharded optimizer
+    state every replica its part of it), rank 0 the metadata with the pipeline's record (a collective: every
+    rank calls it).
 
     Args:
         strategy: The ``AsyncPipelineStrategy``.
@@ -108,6 +109,10 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any, stora
             previous_weights(strategy) if training_state else None,
             strategy.stage if strategy.multi_process else 0,
             aliases=_aliases(strategy),
+        )
+    elif training_state and strategy.shard_optimizer:
+        shard = stage_shard(
+            {}, strategy.optimizers[0], module, None, strategy.stage, aliases=_aliases(strategy), optimizer_only=True
         )
     meta = None
     if strategy.is_global_zero:

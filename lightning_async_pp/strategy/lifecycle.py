@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -168,9 +168,19 @@ class ResumableLoader:
         pass
 
 
-def before_optimizer_step(trainer: Trainer, optimizer: Optimizer) -> Callable[[], None]:
+def before_optimizer_step(trainer: Trainer, optimizer: Optimizer) -> Callable[[], None] | None:
     """What a stage runs when the gradient of a step is complete, as Lightning does before an optimizer step:
-    the callbacks' and the module's ``on_before_optimizer_step``. They see this stage's parameters only."""
+    the callbacks' and the module's ``on_before_optimizer_step``. They see this stage's parameters only.
+
+    ``None`` when neither the module nor any callback overrides the hook: the update then needs no complete
+    gradient at ``UPDATE``, so the average over the replicas stays in flight (see
+    :class:`~lightning_async_pp.runtime.updates.UpdateDriver`)."""
+    callbacks = [
+        c for c in trainer.callbacks if type(c).on_before_optimizer_step is not Callback.on_before_optimizer_step
+    ]
+    module = trainer.lightning_module
+    if not callbacks and type(module).on_before_optimizer_step is LightningModule.on_before_optimizer_step:
+        return None
 
     def run() -> None:
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)

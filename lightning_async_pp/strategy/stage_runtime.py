@@ -124,6 +124,7 @@ def training_runtime(strategy: Any, trainer: Trainer) -> StageRuntime:
         clip_grad_norm=trainer.gradient_clip_val or None,
         norm_group=groups.norm,
         data_group=groups.data if strategy.data_parallel_size > 1 else None,
+        shard_optimizer=strategy.shard_optimizer,
         trace=strategy.trace_dir is not None,
         time_actions=strategy.stage_timing,
         before_update=before_optimizer_step(trainer, optimizers[0]),

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_async_pp.checkpoint import ShardedCheckpointIO, is_sharded_checkpoint
+from lightning_async_pp.checkpoint import is_sharded_checkpoint
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.runtime.contract import is_pipeline_module
 from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of
@@ -37,7 +37,6 @@ from lightning_async_pp.runtime.timing import StepStats
 from lightning_async_pp.strategy.checkpointing import (
     base_checkpoint_io,
     load_sharded,
-    previous_weights,
     remove_checkpoint,
     save_sharded,
     sharded_checkpoint_io,
@@ -119,6 +118,10 @@ class AsyncPipelineStrategy(PipelineProcesses):
             version the micro-batch was pinned to, as does a layer that calls ``torch.utils.checkpoint`` itself.
         trace_dir: If set, each stage writes a Chrome trace (``chrome://tracing`` / Perfetto JSON) of the
             actions it executed, with their real start and end times, to this folder.
+        shard_optimizer: With ``D > 1`` replicas, each replica of a stage keeps the optimizer state of a disjoint
+            set of the stage's tensors (about ``1/D`` of it): gradients are reduce-scattered to their owners and
+            the new weights all-gathered (see :mod:`~lightning_async_pp.runtime.sharding`). The optimizer must
+            update each parameter from its own gradient and state only (AdamW, SGD, Muon, ``DelayCorrected``).
         stage_timing: Time every action for the ``pipeline/stage{s}/*`` metrics (two CUDA events per action on
             GPUs). ``False`` logs only ``version_lag`` of them; a trace (``trace_dir``) times actions regardless.
         start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
@@ -149,6 +152,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         activation_checkpointing: ActivationCheckpointing = False,
         trace_dir: str | None = None,
         stage_timing: bool = True,
+        shard_optimizer: bool = False,
         start_method: Literal["popen", "spawn"] = "popen",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -179,6 +183,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.activation_checkpointing = activation_checkpointing
         self.trace_dir = trace_dir
         self.stage_timing = stage_timing
+        self.shard_optimizer = shard_optimizer
         self.start_method = start_method
         self._data_seed = 0
         self._placement: StagePlacement | None = None
@@ -270,7 +275,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
             if self.multi_process:
                 start_training(self, trainer)
         if self.multi_process:
-            self._sharded_io().process_group = self._groups.checkpoint
+            base_checkpoint_io(self.checkpoint_io).process_group = self._groups.checkpoint
 
     # --- the training step ---------------------------------------------------------------------------
 
@@ -395,13 +400,6 @@ class AsyncPipelineStrategy(PipelineProcesses):
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
-
-    def _sharded_io(self) -> ShardedCheckpointIO:
-        return base_checkpoint_io(self.checkpoint_io)
-
-    def _previous_weights(self) -> dict[str, Tensor] | None:
-        """``w[t-1]`` of this stage's trainable parameters, keyed like the module's parameters (2BW only)."""
-        return previous_weights(self)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
