@@ -1,0 +1,139 @@
+"""Sharding a stage's optimizer state by whole tensors: the owners' plan, the optimizer that keeps only its part,
+which optimizers may be split, and when the strategy lets the replicas' collectives stay in flight."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule
+from torch import nn
+
+from lightning_async_pp.optim import PER_PARAMETER_OPTIMIZERS, DelayCorrected, Muon, updates_per_parameter
+from lightning_async_pp.runtime.sharding import check_shardable, keep_owned, plan_owners
+from lightning_async_pp.strategy.lifecycle import before_optimizer_step
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 8])
+def test_plan_owners_balances_whole_tensors(replicas):
+    generator = torch.Generator().manual_seed(replicas)
+    sizes = {f"t{i}": int(s) for i, s in enumerate(torch.randint(1, 10_000, (40,), generator=generator))}
+    owners = plan_owners(sizes, replicas)
+    assert list(owners) == list(sizes) and set(owners.values()) <= set(range(replicas))
+    load = [sum(sizes[n] for n, r in owners.items() if r == replica) for replica in range(replicas)]
+    # Largest first to the lightest replica: the heaviest holds at most one tensor more than an even split.
+    assert max(load) <= sum(sizes.values()) / replicas + max(sizes.values())
+    assert plan_owners(dict(reversed(sizes.items())), replicas) == owners  # the same plan in any order
+    if replicas > 1:
+        assert min(load) > 0
+
+
+def test_plan_owners_breaks_ties_by_the_stage_order():
+    assert plan_owners({"a": 4, "b": 4, "c": 4, "d": 4}, 2) == {"a": 0, "b": 1, "c": 0, "d": 1}
+    assert plan_owners({"big": 10, "x": 3, "y": 3, "z": 3}, 2) == {"big": 0, "x": 1, "y": 1, "z": 1}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "muon": lambda params: Muon(params, lr=0.02, adamw_lr=1e-2, ns_dtype="float32"),
+    "corrected_auto": lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2), coefficient="auto"),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_an_optimizer_that_keeps_part_of_the_parameters_steps_them_as_the_whole_one(name):
+    """The whole optimizer is the reference: each part, stepped on the same gradients, gives the same bits."""
+    whole_model, part_models = _model(), [_model(), _model()]
+    whole = OPTIMIZERS[name](list(whole_model.named_parameters()))
+    parts = [OPTIMIZERS[name](list(m.named_parameters())) for m in part_models]
+    names = [n for n, _ in whole_model.named_parameters()]
+    owners = plan_owners({n: p.numel() for n, p in whole_model.named_parameters()}, 2)
+    for replica, (model, optimizer) in enumerate(zip(part_models, parts)):
+        groups = len(optimizer.param_groups)
+        keep_owned(optimizer, [p for n, p in model.named_parameters() if owners[n] == replica])
+        assert len(optimizer.param_groups) == groups  # schedulers index the groups
+        kept = sum(len(g["params"]) for g in optimizer.param_groups)
+        assert kept == sum(1 for r in owners.values() if r == replica)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        grads = {n: torch.randn(p.shape, generator=generator) for n, p in whole_model.named_parameters()}
+        for model in (whole_model, *part_models):
+            for n, p in model.named_parameters():
+                p.grad = grads[n].clone()
+        whole.step()
+        for optimizer in parts:
+            optimizer.step()
+    for n, p in whole_model.named_parameters():
+        owner = dict(part_models[owners[n]].named_parameters())[n]
+        assert torch.equal(owner, p), n
+        other = dict(part_models[1 - owners[n]].named_parameters())[n]
+        assert not torch.equal(other, p), n  # the other replica's optimizer left it alone
+    for replica, optimizer in enumerate(parts):
+        held = {id(p) for p in optimizer.state}
+        mine = {id(p) for n, p in part_models[replica].named_parameters() if owners[n] == replica}
+        assert held == mine  # state only for its own tensors
+    assert names  # the model has parameters
+
+
+def test_keep_owned_drops_the_state_and_names_of_the_others():
+    model = _model()
+    optimizer = torch.optim.AdamW(
+        [{"params": list(model.parameters()), "param_names": [n for n, _ in model.named_parameters()]}]
+    )
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    keep = [model[0].weight, model[4].bias]
+    keep_owned(optimizer, keep)
+    assert optimizer.param_groups[0]["params"] == keep
+    assert optimizer.param_groups[0]["param_names"] == ["0.weight", "4.bias"]
+    assert set(map(id, optimizer.state)) == set(map(id, keep))
+
+
+class _Declared(torch.optim.SGD):
+    per_parameter = True
+
+
+class _Undeclared(torch.optim.SGD):
+    pass
+
+
+def test_which_optimizers_may_be_split_by_tensor():
+    params = list(_model().parameters())
+    assert torch.optim.AdamW in PER_PARAMETER_OPTIMIZERS and torch.optim.LBFGS not in PER_PARAMETER_OPTIMIZERS
+    assert updates_per_parameter(torch.optim.AdamW(params))
+    assert updates_per_parameter(Muon(params))
+    assert updates_per_parameter(DelayCorrected(torch.optim.AdamW(params), coefficient="auto"))
+    assert updates_per_parameter(_Declared(params, lr=0.1))
+    assert not updates_per_parameter(_Undeclared(params, lr=0.1))  # a subclass may change the update
+    assert not updates_per_parameter(DelayCorrected(_Undeclared(params, lr=0.1)))
+    with pytest.raises(ValueError, match=r"`LBFGS.per_parameter = True`.*`shard_optimizer=False`"):
+        check_shardable(torch.optim.LBFGS(params))
+    check_shardable(DelayCorrected(Muon(params)))
+
+
+class _Hooked(Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        pass
+
+
+class _HookedModule(LightningModule):
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "module", "runs"),
+    [([Callback()], LightningModule(), False), ([_Hooked()], LightningModule(), True), ([], _HookedModule(), True)],
+)
+def test_the_before_update_hook_is_only_run_when_someone_overrides_it(callbacks, module, runs):
+    trainer = types.SimpleNamespace(callbacks=callbacks, lightning_module=module)
+    hook = before_optimizer_step(trainer, torch.optim.SGD(_model().parameters(), lr=0.1))
+    assert (hook is not None) == runs
