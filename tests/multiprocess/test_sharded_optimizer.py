@@ -7,7 +7,8 @@ tensors and all-gathers the new weights, and with clipping sums the norm from th
 ranks. The losses and final weights must agree to 1e-6, with gradient clipping and a tied embedding (whose
 copies on both stages belong to one replica), for AdamW, Muon and ``DelayCorrected(Muon)`` (Newton-Schulz in
 float32), under 2BW and 1F1B, and without clipping and ties, where the sharded update stays in flight across
-actions. Each replica must hold only part of the state: about half, at most one tensor more.
+actions, and with ``bf16-mixed`` and activation checkpointing. Each replica must hold only part of the state:
+about half, at most one tensor more. With one replica the flag changes nothing.
 
 A sharded checkpoint written at P = 2 x D = 2 resumes at P = 2 x D = 1 (not sharded) and at P = 1 x D = 2
 (sharded again, other owners) on the straight run's trajectory: each replica wrote the state of its own tensors
@@ -48,6 +49,13 @@ CASES = [
     pytest.param("corrected_muon", "1f1b", CLIP_AND_TIE, id="corrected_muon-1f1b-clip-tie", marks=pytest.mark.slow),
     pytest.param("adamw", "1f1b", CLIP_AND_TIE, id="adamw-1f1b-clip-tie", marks=pytest.mark.slow),
     pytest.param("auto_adamw", "2bw", (), id="auto_adamw-2bw-in-flight", marks=pytest.mark.slow),
+    pytest.param(
+        "corrected_adamw",
+        "2bw",
+        (*CLIP_AND_TIE, "--precision", "bf16-mixed", "--recompute"),
+        id="corrected_adamw-2bw-bf16-mixed-recompute",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -77,6 +85,15 @@ def test_sharded_state_trains_the_replicated_trajectory(tmp_path, optimizer, sch
         assert all(0 < p["params"] < whole["params"] for p in parts)
         assert abs(sum(p["state_bytes"] for p in parts) - whole["state_bytes"]) <= 64 * D  # per-tensor step counts
         assert max(p["state_bytes"] for p in parts) < 0.75 * whole["state_bytes"]
+
+
+@pytest.mark.slow
+def test_one_replica_is_unchanged(tmp_path):
+    flags = ("--clip", "0.5", "--tie-weights", "--muon-ns-float32")
+    plain = run_pipeline(tmp_path / "plain", 2, "2bw", 2, 6, "corrected_muon", *flags)
+    flagged = run_pipeline(tmp_path / "flagged", 2, "2bw", 2, 6, "corrected_muon", *flags, "--shard-optimizer")
+    assert flagged[0]["losses"] == plain[0]["losses"]
+    assert all(torch.equal(flagged[1][name], value) for name, value in plain[1].items())
 
 
 STRAIGHT, STOP = 16, 8

@@ -140,6 +140,7 @@ def main(argv=None) -> None:
         help="Muon's Newton-Schulz in float32 (results that do not depend on the CPU's bfloat16)",
     )
     parser.add_argument("--shard-optimizer", action="store_true", help="AsyncPipelineStrategy(shard_optimizer=True)")
+    parser.add_argument("--recompute", action="store_true", help="activation_checkpointing=True")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     with use_float32_newton_schulz() if args.muon_ns_float32 else contextlib.nullcontext():
@@ -167,6 +168,7 @@ def _run(args: argparse.Namespace) -> None:
         timeout=__import__("datetime").timedelta(seconds=60),
         trace_dir=str(Path(args.out) / "trace") if args.trace else None,
         shard_optimizer=args.shard_optimizer,
+        activation_checkpointing=args.recompute,
     )
     recorder = Recorder()
     callbacks = [recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step), StopAt(args.stop_at)]
