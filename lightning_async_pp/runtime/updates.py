@@ -181,6 +181,7 @@ class UpdateDriver:
         self.replicas = ReplicaAverage(data_group) if data_group is not None and not shard else None
         self.shards: ReplicaShards | None = None
         self._tied: list[str] = []
+        self._norm_slots: Tensor | None = None  # where this replica's norms go among the stage's untied tensors
         self.stepped = list(self.params)
         """Names of the parameters this stage's optimizer steps (this replica's own, with sharded state)."""
         if shard and data_group is not None:
@@ -270,8 +271,9 @@ class UpdateDriver:
             # norm is summed in the same order and to the same bits as without sharding.
             every = torch.zeros(len(names), dtype=torch.float32, device=self.device)
             if norms is not None:
-                slots = torch.tensor([names.index(n) for n in mine], device=self.device)
-                every.index_copy_(0, slots, norms)
+                if self._norm_slots is None:  # made once: a tensor from host data is a host-to-device copy
+                    self._norm_slots = torch.tensor([names.index(n) for n in mine], device=self.device)
+                every.index_copy_(0, self._norm_slots, norms)
             dist.all_reduce(every, group=self.data_group)
             norms = every if names else None
         local = norms.pow(2).sum() if norms is not None else torch.zeros((), device=self.device)

@@ -145,6 +145,8 @@ class Case:
         stages: Stages of a pipeline.
         replicas: Pipelines (data parallelism).
         tie: Tie the first stage's weight to the last stage's.
+        shard: Shard the optimizer state over the replicas.
+        clip: Clip the gradient by the global norm.
     """
 
     name: str
@@ -153,6 +155,8 @@ class Case:
     stages: int = 3
     replicas: int = 1
     tie: bool = False
+    shard: bool = False
+    clip: bool = True
 
 
 CASES = [
@@ -162,6 +166,8 @@ CASES = [
     Case("dict-int16-1f1b", "1f1b", payload="dict"),
     Case("replicas-2bw", "2bw", stages=2, replicas=2),
     Case("tied-clipped-2bw", "2bw", tie=True),
+    Case("sharded-tied-clipped-2bw", "2bw", stages=2, replicas=2, tie=True, shard=True),
+    Case("sharded-in-flight-2bw", "2bw", stages=2, replicas=2, shard=True, clip=False),
 ]
 WORLD = max(case.stages * case.replicas for case in CASES)
 
@@ -218,12 +224,13 @@ def _build(rank: int, case: Case) -> StageRuntime | None:
         device=torch.device("cpu"),
         prev_rank=rank_of(stage - 1, replica) if stage > 0 else None,
         next_rank=rank_of(stage + 1, replica) if stage < stages - 1 else None,
-        clip_grad_norm=1.0,
+        clip_grad_norm=1.0 if case.clip else None,
         norm_group=norm_groups[replica],
         p2p_group=p2p,
         order_group=order,
         data_group=data_groups[stage] if replicas > 1 else None,
         ties=TiedGradients(ties, stage, tie_groups) if ties else None,
+        shard_optimizer=case.shard,
     )
 
 

@@ -12,7 +12,8 @@ about half, at most one tensor more. With one replica the flag changes nothing.
 
 A sharded checkpoint written at P = 2 x D = 2 resumes at P = 2 x D = 1 (not sharded) and at P = 1 x D = 2
 (sharded again, other owners) on the straight run's trajectory: each replica wrote the state of its own tensors
-under their names, and each new owner reads its tensors' state wherever it was written.
+under their names, and each new owner reads its tensors' state wherever it was written. The checkpoint holds every
+tensor's state once, and ``consolidate`` writes the whole model from it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import pytest
 import torch
 
+from lightning_async_pp.checkpoint import consolidate, read_tensors
 from tests.multiprocess.test_pipeline_exactness import run_pipeline
 
 pytestmark = pytest.mark.multiprocess
@@ -118,8 +120,19 @@ def test_sharded_checkpoint_resumes_at_other_replica_and_stage_counts(tmp_path):
         )
 
     straight, straight_weights = run("straight", 4, 2, 2, "--shard-optimizer")
-    run("first", 4, 2, 2, "--shard-optimizer", "--stop-at", str(STOP), "--checkpoint-every", str(STOP))
+    _, first_weights = run(
+        "first", 4, 2, 2, "--shard-optimizer", "--stop-at", str(STOP), "--checkpoint-every", str(STOP)
+    )
     checkpoint = str(tmp_path / "first" / "final.ckpt")
+    # Every trained tensor's state was written once, by its owner; replica 0 wrote w[t-1] of all of them.
+    state = read_tensors(checkpoint, "optimizer.state.")
+    assert {key[len("optimizer.state.") :].rpartition(".")[0] for key in state} == set(
+        key[len("previous.") :] for key in read_tensors(checkpoint, "previous.")
+    )
+    # `consolidate` writes the whole model's weights, as saved.
+    consolidated = consolidate(checkpoint, tmp_path / "whole.ckpt")["state_dict"]
+    assert sorted(consolidated) == sorted(first_weights)
+    assert all(torch.equal(consolidated[name], value) for name, value in first_weights.items())
     # The same micro-batch size everywhere: D * M micro-batches of the global batch per step.
     for name, devices, pipeline, microbatches, extra in [
         ("P2xD1", 2, 2, 4, ()),
