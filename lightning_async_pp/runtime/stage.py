@@ -389,6 +389,7 @@ class StageRuntime:
 
     def _forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
+        self.updates.settle(a.step, a.microbatch)
         self.updates.complete(up_to_version=a.version)
         microbatch = self._microbatches[a.step][a.microbatch]
         if a.microbatch == 0 and self._order is not None:

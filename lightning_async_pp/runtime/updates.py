@@ -10,9 +10,16 @@ global norm, which needs every stage's share.
 
 With the optimizer state sharded over the replicas (:mod:`~lightning_async_pp.runtime.sharding`), the average
 is a reduce-scatter to each tensor's owner, the owner steps its tensors, and an all-gather brings the new
-weights to every replica. Without clipping, hook or ties, the reduce-scatter posted at ``UPDATE(t)`` is
-waited for at the stage's next backward, where the owner steps and posts the all-gather, which is waited for
-where the version is first needed: both overlap compute.
+weights to every replica, waited for where the version is first needed (or at the next ``UPDATE``, which
+reuses the buffers). The owner steps as early as it can without waiting for a peer that is still computing:
+
+- without clipping and ties, at the stage's next backward after ``UPDATE(t)`` (:meth:`UpdateDriver.advance`):
+  the reduce-scatter, posted at ``UPDATE(t)``, involves the stage's replicas alone;
+- with clipping or ties (2BW), at the forward of micro-batch ``P - 1`` of step ``t + 1``
+  (:meth:`UpdateDriver.settle`), which every stage runs after every stage's ``UPDATE(t)``
+  (:func:`~lightning_async_pp.schedule.updates_settled_by`), so the norm and the tied sums are in.
+
+Either way the all-gather overlaps the rest of step ``t + 1``: 2BW keeps its zero bubble.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from lightning_async_pp.runtime.replicas import ReplicaAverage
 from lightning_async_pp.runtime.sharding import ReplicaShards, check_shardable, keep_owned, plan_owners
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.weights import WeightVersions
-from lightning_async_pp.schedule import weight_version
+from lightning_async_pp.schedule import updates_settled_by, weight_version
 
 NOT_HYPERPARAMETERS = ("params", "param_names")
 """Keys of an optimizer's param group that are not hyperparameters."""
@@ -142,6 +149,9 @@ class UpdateDriver:
     averaged gradient at ``UPDATE``, and so do the tied sums, which are posted there in turn (a wait later
     would have to post them later, where another stage may already wait for them).
 
+    With sharded state, see the module docstring: :meth:`advance` (at each backward) and :meth:`settle` (at each
+    forward) step an update early, and :meth:`complete` waits for its all-gather.
+
     Args:
         optimizer: Optimizer over exactly the stage's trainable parameters.
         weights: The stage's weight versions (their ``params`` are the optimizer's).
@@ -187,6 +197,7 @@ class UpdateDriver:
         if shard and data_group is not None:
             self.shards = self._shard(data_group)
             self.stepped = self.shards.owned
+        self._settle_at = updates_settled_by(kind, num_stages) if self.shards is not None else None
         self.defer_average = before_update is None and clip_grad_norm is None and ties is None
         """Whether the average over replicas stays in flight after ``UPDATE``."""
         self.hyperparameters = StepHyperparameters(optimizer)
@@ -212,10 +223,10 @@ class UpdateDriver:
         grads = self.weights.take_gradients(weight_version(self.kind, step))
         pending = PendingUpdate(step, grads)
         if self.shards is not None:
-            if self.clip_grad_norm is None and self.ties is None:
-                # The flat buffers are reused: the previous update's all-gather, which may still be in flight (it
-                # needs the replicas alone), lands first. (Otherwise it was waited for right after its step.)
-                self.complete(up_to_version=step)
+            # The flat buffers are reused: the previous update's all-gather, which may still be in flight, lands
+            # first. That update was stepped already (at a backward, or settled at a forward of this step), so
+            # this waits for the replicas alone.
+            self.complete(up_to_version=step)
             if self.defer_average:
                 pending.grads, pending.reduce = {}, self.shards.reduce(grads)
                 self.pending.append(pending)
@@ -247,6 +258,18 @@ class UpdateDriver:
             self.pending.append(pending)
         else:
             self.apply(pending)
+
+    def settle(self, step: int, microbatch: int) -> None:
+        """Sharded state with clipping, ties or a hook: at the forward of micro-batch
+        :func:`~lightning_async_pp.schedule.updates_settled_by` of step ``step``, every stage has posted what the
+        update of step ``step - 1`` exchanges over the pipeline (its norm, its tied sums): wait for it, step the
+        owned tensors and post the all-gather, which then overlaps the rest of the step."""
+        if microbatch != self._settle_at:
+            return
+        for pending in self.pending:
+            if pending.step == step - 1 and pending.gather is None and pending.reduce is None:
+                self._collect(pending)
+                self._step(pending)
 
     def advance(self) -> None:
         """Step on the owned gradients whose reduce-scatter was posted at an earlier action, and post their
@@ -296,21 +319,28 @@ class UpdateDriver:
         """Apply pending updates that produce a version ``<= up_to_version`` (all if ``None``)."""
         while self.pending and (up_to_version is None or self.pending[0].step + 1 <= up_to_version):
             pending = self.pending.pop(0)
-            if pending.average is not None:
-                pending.average()
-            if pending.reduce is not None:
-                pending.grads, pending.reduce = pending.reduce(), None
-            if pending.work is not None:
-                pending.work.wait()
-            if pending.finish is not None:
-                norm_sq = pending.finish()
-                if norm_sq is not None:
-                    pending.norm_sq = norm_sq
+            self._collect(pending)
             if pending.gather is None:
                 self._step(pending)
             if pending.gather is not None:
                 pending.gather()
             self._publish(pending)
+
+    def _collect(self, pending: PendingUpdate) -> None:
+        """Wait for what ``pending`` still waits for: the average (or reduce-scatter), the norm, the tied sums."""
+        if pending.average is not None:
+            pending.average, average = None, pending.average
+            average()
+        if pending.reduce is not None:
+            pending.grads, pending.reduce = pending.reduce(), None
+        if pending.work is not None:
+            pending.work, work = None, pending.work
+            work.wait()
+        if pending.finish is not None:
+            pending.finish, finish = None, pending.finish
+            norm_sq = finish()
+            if norm_sq is not None:
+                pending.norm_sq = norm_sq
 
     def apply(self, pending: PendingUpdate) -> None:
         """Write version ``pending.step + 1``: step the optimizer on the (clipped) gradient."""

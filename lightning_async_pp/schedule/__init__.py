@@ -17,6 +17,7 @@ from lightning_async_pp.schedule.generate import (
     gradients_received_before_forward,
     stage_footprint,
     step_actions,
+    updates_settled_by,
 )
 from lightning_async_pp.schedule.ir import SCHEDULES, Action, Op, validate, weight_buffer, weight_version
 from lightning_async_pp.schedule.transfers import (
@@ -45,6 +46,7 @@ __all__ = [
     "evaluation_actions",
     "gpipe_schedule",
     "gradients_received_before_forward",
+    "updates_settled_by",
     "host_program",
     "liveness_trace",
     "posting_plan",

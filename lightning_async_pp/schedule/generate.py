@@ -27,6 +27,7 @@ __all__ = [
     "evaluation_actions",
     "gpipe_schedule",
     "gradients_received_before_forward",
+    "updates_settled_by",
     "stage_footprint",
     "step_actions",
 ]
@@ -146,6 +147,20 @@ def gradients_received_before_forward(
     if received < run_start * M:
         return None
     return received // M, received % M
+
+
+def updates_settled_by(kind: str, num_stages: int) -> int | None:
+    """The micro-batch of step ``t + 1`` whose forward, on every stage, comes after every stage's ``UPDATE(t)``
+    through the pipeline's own messages; ``None`` for "1f1b" (version ``t + 1`` is needed at once).
+
+    Under "2bw" stage 0's ``UPDATE(t)`` follows the backward of global micro-batch ``(t+1)*M - 1`` and precedes
+    the forward of ``(t+1)*M + P - 1``: micro-batch ``P - 1`` of step ``t + 1`` (``M >= P``). That forward's
+    activations carry stage 0's update up the pipeline; a higher stage's ``UPDATE(t)`` precedes its forward of the
+    same micro-batch, which needs stage 0's. So whatever the updates of step ``t`` exchanged over all stages (the
+    clipping norm, the tied gradients' sums) has been posted by every stage when any stage runs that forward.
+    """
+    validate(kind, num_stages, num_stages)
+    return num_stages - 1 if kind == "2bw" else None
 
 
 def drain_actions(

@@ -8,7 +8,8 @@ ranks. The losses and final weights must agree to 1e-6, with gradient clipping a
 copies on both stages belong to one replica), for AdamW, Muon and ``DelayCorrected(Muon)`` (Newton-Schulz in
 float32), under 2BW and 1F1B, and without clipping and ties, where the sharded update stays in flight across
 actions, and with ``bf16-mixed`` and activation checkpointing. Each replica must hold only part of the state:
-about half, at most one tensor more. With one replica the flag changes nothing.
+about half, at most one tensor more. Three stages with a tie from the first to the last give the same bits too;
+with one replica the flag changes nothing.
 
 A sharded checkpoint written at P = 2 x D = 2 resumes at P = 2 x D = 1 (not sharded) and at P = 1 x D = 2
 (sharded again, other owners) on the straight run's trajectory: each replica wrote the state of its own tensors
@@ -87,6 +88,19 @@ def test_sharded_state_trains_the_replicated_trajectory(tmp_path, optimizer, sch
         assert all(0 < p["params"] < whole["params"] for p in parts)
         assert abs(sum(p["state_bytes"] for p in parts) - whole["state_bytes"]) <= 64 * D  # per-tensor step counts
         assert max(p["state_bytes"] for p in parts) < 0.75 * whole["state_bytes"]
+
+
+@pytest.mark.slow
+def test_three_stages_with_a_tie_from_the_first_to_the_last(tmp_path):
+    """P = 3 x D = 2, M = 4 > P: the update of step t settles at micro-batch P - 1 = 2 of step t + 1, two forwards
+    before the stage's last one of that step."""
+    flags = ("--pipeline-size", "3", "--layers", "5", "--clip", "0.5", "--tie-weights", "--muon-ns-float32")
+    flags += ("--total-steps", "10")
+    plain = run_pipeline(tmp_path / "plain", 6, "2bw", 4, 5, "corrected_muon", *flags)
+    sharded = run_pipeline(tmp_path / "sharded", 6, "2bw", 4, 5, "corrected_muon", *flags, "--shard-optimizer")
+    assert len(sharded[0]["losses"]) == 5
+    assert sharded[0]["losses"] == plain[0]["losses"]
+    assert all(torch.equal(sharded[1][name], value) for name, value in plain[1].items())
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_async_pp.optim import PER_PARAMETER_OPTIMIZERS, DelayCorrected, Muon, updates_per_parameter
 from lightning_async_pp.runtime.sharding import check_shardable, keep_owned, plan_owners
+from lightning_async_pp.schedule import Op, step_actions, updates_settled_by
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step
 
 
@@ -137,3 +138,30 @@ def test_the_before_update_hook_is_only_run_when_someone_overrides_it(callbacks,
     trainer = types.SimpleNamespace(callbacks=callbacks, lightning_module=module)
     hook = before_optimizer_step(trainer, torch.optim.SGD(_model().parameters(), lr=0.1))
     assert (hook is not None) == runs
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("extra", [0, 1, 3])
+def test_updates_settle_at_the_first_forward_stage_0_runs_after_its_update(num_stages, extra):
+    """Read off the action lists: stage 0's first forward after UPDATE(t) is micro-batch P-1 of step t+1, and on
+    every stage UPDATE(t) comes before that forward (which needs the activations stage 0 sent after its update)."""
+    M = num_stages + extra
+    settle = updates_settled_by("2bw", num_stages)
+    assert updates_settled_by("1f1b", num_stages) is None
+    for run_start in (0, 2):
+        for stage in range(num_stages):
+            actions = [
+                a
+                for t in range(run_start, run_start + 6)
+                for a in step_actions("2bw", num_stages, M, stage, t, run_start)
+            ]
+            compute = [a for a in actions if a.op in (Op.FORWARD, Op.UPDATE)]
+            for t in range(run_start, run_start + 4):
+                update = next(k for k, a in enumerate(compute) if a.op is Op.UPDATE and a.step == t)
+                forward = next(
+                    k for k, a in enumerate(compute) if a.op is Op.FORWARD and (a.step, a.microbatch) == (t + 1, settle)
+                )
+                assert update < forward, (stage, t)
+                if stage == 0:
+                    first = next(a for a in compute[update:] if a.op is Op.FORWARD)
+                    assert (first.step, first.microbatch) == (t + 1, settle)
