@@ -99,7 +99,7 @@ class _Flat:
     ``(name, offset, numel, shape)`` with offsets within the segment."""
 
     flat: Tensor
-    mine: tuple[Tensor, Tensor]
+    mine: Tensor
     length: int
     segments: list[list[tuple[str, int, int, torch.Size]]]
 
@@ -112,9 +112,8 @@ class _Flat:
 class ReplicaShards:
     """Reduce-scatters a stage's gradients to their owners and all-gathers the owners' new weights.
 
-    The flat buffers serve one collective at a time: wait for a reduce-scatter before posting an all-gather, and
-    for an all-gather before posting the next reduce-scatter. The averaged gradients alternate between two
-    buffers, so that one update's may wait for its step while the next update's arrive.
+    The buffers serve one update at a time: wait for a reduce-scatter before posting an all-gather, and step on
+    the averaged gradients and wait for the all-gather before posting the next reduce-scatter.
 
     Args:
         params: The stage's trainable parameters, by name (their shapes, dtypes and devices).
@@ -143,9 +142,7 @@ class ReplicaShards:
                 used[r] += params[name].numel()
             length = max(used)
             flat = torch.zeros(length * self.size, dtype=dtype, device=device)
-            mine = tuple(torch.zeros(length, dtype=dtype, device=device) for _ in range(2))
-            self._flats.append(_Flat(flat, mine, length, segments))
-        self._turn = 0
+            self._flats.append(_Flat(flat, torch.zeros(length, dtype=dtype, device=device), length, segments))
         self._average = [averages_exactly(group, f.flat, self.size) for f in self._flats]
 
     @torch.no_grad()
@@ -154,17 +151,15 @@ class ReplicaShards:
 
         Returns:
             A function that waits for them and returns this replica's gradients, averaged over the replicas:
-            views of its own buffers, valid until the next :meth:`reduce` but one.
+            views of its own buffer, valid until the next :meth:`reduce`.
         """
         works = []
-        turn = self._turn
-        self._turn = 1 - turn
         for f, average in zip(self._flats, self._average):
             targets = [v for r in range(self.size) for v in f.views(r).values()]
             sources = [grads[name] for r in range(self.size) for name, _, _, _ in f.segments[r]]
             torch._foreach_copy_(targets, sources)
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-            works.append(dist.reduce_scatter_single(f.mine[turn], f.flat, op=op, group=self.group, async_op=True))
+            works.append(dist.reduce_scatter_single(f.mine, f.flat, op=op, group=self.group, async_op=True))
             self.posted += 1
 
         def finish() -> dict[str, Tensor]:
@@ -172,8 +167,8 @@ class ReplicaShards:
             for f, average, work in zip(self._flats, self._average, works):
                 work.wait()
                 if not average:
-                    f.mine[turn].div_(self.size)
-                owned.update(f.views(self.replica, f.mine[turn]))
+                    f.mine /= self.size
+                owned.update(f.views(self.replica, f.mine))
             return {name: owned[name] for name in self.owned}
 
         return finish
