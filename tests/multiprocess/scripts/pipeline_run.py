@@ -30,6 +30,8 @@ def make_optimizer(name: str):
         return lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9)
     if name == "adamw":
         return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if name == "lbfgs":  # one history over all parameters: its parameters cannot be split between replicas
+        return lambda params: torch.optim.LBFGS(params)
     from lightning_async_pp.optim import DelayCorrected, Muon
 
     if name == "muon":
