@@ -7,7 +7,9 @@ stages' programs against each other under a model of NCCL's queues to show they 
 
 Besides its transfers, a stage's ``UPDATE`` may post collectives (:class:`Collectives`): the all-reduce of
 the gradient over the stage's replicas, the tied gradients' and the clipping norm's all-reduces, which stay
-pending across segments until the weight version they produce is first needed. The
+pending across segments until the weight version they produce is first needed. With the optimizer state
+sharded over the replicas (``Collectives.shard``), the all-reduce over the replicas becomes a reduce-scatter
+and an all-gather, the latter posted at the stage's next backward (or where the version is needed). The
 model checks those too, each on its own communicator (its own queue), or with every operation of a stage on
 one queue, as ``CUDA_DEVICE_MAX_CONNECTIONS=1`` serialises a device's streams (``one_queue``).
 """
@@ -94,6 +96,19 @@ class Collectives:
     ``UPDATE`` and left pending is waited for when the version the update produces is first needed (a forward
     on it) or the pipeline drains (:data:`FLUSH`).
 
+    With ``shard``, the replicas' all-reduce is a reduce-scatter (``RS``) and an all-gather (``AG``) on the same
+    communicator of the stage's replicas ("data"), which also carries, in posting order, the tied gradients'
+    average and the per-tensor norms. Without clipping or ties, ``UPDATE(t)`` first completes every pending
+    update of a version ``<= t`` (the flat buffers are reused), then posts ``RS(t)``; the stage's next backward
+    waits for it and posts ``AG(t)`` (:meth:`at_backward`), which is waited for where version ``t + 1`` is
+    first needed (after waiting for ``RS(t)`` and posting ``AG(t)`` there if no backward came first). With
+    clipping or ties, ``UPDATE(t)`` posts ``RS(t)``, posts and waits for the tied gradients' average, waits for
+    ``RS(t)``, posts and waits for the per-tensor norms (clipping), then posts the ties' and the norm's
+    all-reduces as without sharding; where the version is needed, after their waits, the owner steps and
+    ``AG(t)`` is posted and waited for at once. With a ``before_update`` hook alone, ``UPDATE(t)`` completes the
+    earlier updates, posts ``RS(t)`` and waits for it at once (the hook needs the gradient); the next backward
+    posts ``AG(t)``.
+
     Args:
         num_stages: Stages per pipeline.
         replicas: Data-parallel replicas. With more than one, each update all-reduces the gradient over the
@@ -105,8 +120,11 @@ class Collectives:
             posts the norm there), a later stage at once.
         ties: Per tied parameter, the stages holding a copy. A holder's update posts one all-reduce per tie over
             its replica's holders (a communicator per tie), pending.
-        deferred: ``False``: wait for those all-reduces right after posting them (a synchronous clipping),
-            to test the model.
+        deferred: ``False``: wait for those all-reduces right after posting them (a synchronous clipping;
+            with ``shard``, stepping and all-gathering at ``UPDATE``), to test the model.
+        shard: The optimizer state is sharded over the replicas (``UpdateDriver(shard=True)``; only with
+            ``replicas > 1``).
+        hook: A ``before_update`` hook, which needs the replicas' average at ``UPDATE``.
     """
 
     num_stages: int
@@ -114,11 +132,29 @@ class Collectives:
     clip: bool = False
     ties: tuple[tuple[int, ...], ...] = ()
     deferred: bool = True
+    shard: bool = False
+    hook: bool = False
 
     @property
     def average_pending(self) -> bool:
-        """Whether the replicas' all-reduce stays pending after ``UPDATE`` (and is waited at the next at the latest)."""
+        """Whether the replicas' all-reduce (or reduce-scatter) stays pending after ``UPDATE`` (and is waited at
+        the next at the latest)."""
+        return self.completes_at_update and not self.hook
+
+    @property
+    def completes_at_update(self) -> bool:
+        """Whether ``UPDATE`` first completes the pending updates of versions up to its step (which reuse the
+        replicas' buffers; with a hook alone, without sharding, nothing is pending there)."""
         return self.replicas > 1 and not self.clip and not self.ties
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer state is split over several replicas."""
+        return self.shard and self.replicas > 1
+
+    def _data(self, stage: int, name: str, step: int) -> tuple:
+        """An operation on the communicator of ``stage``'s replicas."""
+        return ("C", ("data", tuple(r * self.num_stages + stage for r in range(self.replicas))), (name, step, 0))
 
     def at_update(self, stage: int, step: int, replica: int) -> tuple[list[tuple], list[tuple]]:
         """What ``UPDATE(step)`` of ``stage`` does: the items of :func:`host_program` at the update, and those
@@ -126,11 +162,26 @@ class Collectives:
         base = replica * self.num_stages
         now: list[tuple] = []
         later: list[tuple] = []
-        if self.replicas > 1:
-            data = ("C", ("data", tuple(r * self.num_stages + stage for r in range(self.replicas))), ("data", step, 0))
+        owned = [index for index, holders in enumerate(self.ties) if stage in holders]
+        if self.sharded:
+            scatter, gather = self._data(stage, "reduce-scatter", step), self._data(stage, "all-gather", step)
+            now.append(("post", scatter))
+            if self.completes_at_update:
+                # Waited for at the next backward (`at_backward`, at once with a hook), which posts the all-gather.
+                now += [("wait", scatter)] if self.hook else []
+                later.append(("wait", gather))
+            else:
+                if owned:
+                    tied = self._data(stage, "tied average", step)
+                    now += [("post", tied), ("wait", tied)]
+                now.append(("wait", scatter))
+                if self.clip:
+                    norms = self._data(stage, "norms", step)
+                    now += [("post", norms), ("wait", norms)]
+        elif self.replicas > 1:
+            data = self._data(stage, "data", step)
             now.append(("post", data))
             (later if self.average_pending else now).append(("wait", data))
-        owned = [index for index, holders in enumerate(self.ties) if stage in holders]
         tie = {i: ("C", (f"tie {i}", tuple(base + s for s in self.ties[i])), ("tie", step, i)) for i in owned}
         now += [("post", tie[i]) for i in owned]
         if not self.clip:
@@ -141,7 +192,21 @@ class Collectives:
             chain = [("wait", tie[i]) for i in lowest] + [("post", norm)]
             (later if lowest and stage == 0 else now).extend(chain)
             later += [("wait", tie[i]) for i in owned if i not in lowest] + [("wait", norm)]
-        return (now, later) if self.deferred else (now + later, [])
+        if self.sharded and not self.completes_at_update:
+            # The owner steps once the sums and the norm are in, and the new weights are gathered at once.
+            later += [("post", gather), ("wait", gather)]
+        if not self.deferred:
+            return now + self.at_backward(stage, step, replica, deferred=True) + later, []
+        return now, later
+
+    def at_backward(self, stage: int, step: int, replica: int, deferred: bool | None = None) -> list[tuple]:
+        """What the stage's first backward after ``UPDATE(step)`` does for it (``UpdateDriver.advance``): with
+        sharded state in flight, wait for the reduce-scatter, step, and post the all-gather. Where the version is
+        needed before any backward came, these items come first there."""
+        if not self.sharded or not self.completes_at_update or not (self.deferred if deferred is None else deferred):
+            return []
+        wait = [] if self.hook else [("wait", self._data(stage, "reduce-scatter", step))]
+        return [*wait, ("post", self._data(stage, "all-gather", step))]
 
 
 def _transfer_op(a: Action, role: str | None = None, offset: int = 0) -> _TransferOp:
@@ -163,7 +228,10 @@ def host_program(
     """What one stage's host does with transfers, segment after segment, under :func:`posting_plan`.
 
     Items are ``("post", ops)`` (one :func:`torch.distributed.batch_isend_irecv` call, or one collective) and
-    ``("wait", op)`` (waiting for a receive or a collective before the compute that needs it). A wait on NCCL
+    ``("wait", op)`` (waiting for a receive or a collective before the compute that needs it). What an
+    ``UPDATE`` leaves pending is done where its version is first needed (a forward on it; the next ``UPDATE``
+    when :attr:`Collectives.completes_at_update`) or at :data:`FLUSH`, and what :meth:`Collectives.at_backward`
+    gives at the stage's next backward, if that comes first. A wait on NCCL
     does not block the host but orders the compute stream behind the operation, and every later send or
     receive is ordered behind that compute, so blocking the host at the wait models the same dependencies.
 
@@ -175,12 +243,12 @@ def host_program(
     """
     offset = replica * collectives.num_stages if collectives is not None else 0
     items: list[tuple] = []
-    pending: list[tuple[int, list[tuple]]] = []  # what an UPDATE left for later: (version produced, items)
+    # What each UPDATE left for later: (version produced, items at the next backward, items where needed).
+    pending: list[tuple[int, list[tuple], list[tuple]]] = []
     for actions in segments:
         if isinstance(actions, str):
             assert actions == FLUSH, actions
-            items += [item for _, later in pending for item in later]
-            pending.clear()
+            items += _release(pending, None)
             continue
         plan = posting_plan(actions, eager)
         queued = {op: [a for a in actions if a.op is op] for op in _RECEIVES}
@@ -196,17 +264,21 @@ def host_program(
             items.append(("post", tuple(next_receive(op))))
         for k, a in enumerate(actions):
             needed = None
-            if a.op is Op.UPDATE and collectives is not None and collectives.average_pending:
+            if a.op is Op.UPDATE and collectives is not None and collectives.completes_at_update:
                 needed = a.version - 1
             elif a.op is Op.FORWARD:
                 needed = a.version
-            if needed is not None and pending and pending[0][0] <= needed:
-                items += [item for version, later in pending if version <= needed for item in later]
-                pending = [(version, later) for version, later in pending if version > needed]
+            if needed is not None:
+                items += _release(pending, needed)
             if a.op is Op.UPDATE and collectives is not None:
                 now, later = collectives.at_update(a.stage, a.step, replica)
-                items += [(kind, (op,) if kind == "post" else op) for kind, op in now]
-                pending.append((a.version, [(kind, (op,) if kind == "post" else op) for kind, op in later]))
+                advance = collectives.at_backward(a.stage, a.step, replica)
+                items += _items(now)
+                pending.append((a.version, _items(advance), _items(later)))
+            if a.op is Op.BACKWARD:
+                for _, advance, _ in pending:
+                    items += advance
+                    advance.clear()
             if not a.is_comm:
                 continue
             receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
@@ -226,7 +298,20 @@ def host_program(
                 items.append(("post", tuple(batch)))
         if posted:
             raise AssertionError(f"receives {sorted(posted.values())} stay posted after the segment")
-    return items + [item for _, later in pending for item in later]
+    return items + _release(pending, None)
+
+
+def _items(pairs: Iterable[tuple[str, _TransferOp]]) -> list[tuple]:
+    """:meth:`Collectives.at_update`'s pairs as :func:`host_program`'s items (a post is a batch of one)."""
+    return [(kind, (op,) if kind == "post" else op) for kind, op in pairs]
+
+
+def _release(pending: list[tuple[int, list[tuple], list[tuple]]], needed: int | None) -> list[tuple]:
+    """Remove the pending updates producing a version ``<= needed`` (all if ``None``) and return their items,
+    update after update, what the next backward would have done first."""
+    done = [entry for entry in pending if needed is None or entry[0] <= needed]
+    del pending[: len(done)]  # in order of the versions they produce
+    return [item for _, advance, later in done for item in advance + later]
 
 
 def check_transfers(

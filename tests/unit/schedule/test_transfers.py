@@ -186,6 +186,111 @@ def test_norm_of_a_tie_held_lowest_after_stage_0_must_be_posted_at_update(kind, 
     check_transfers(programs(kind, P, P, collectives=Collectives(P, clip=True, ties=((1, P - 1),))), rendezvous=True)
 
 
+def sharded_collectives(P: int, D: int) -> dict[str, Collectives]:
+    """The runtime's configurations with the optimizer state sharded over ``D`` replicas."""
+    ties = ((0, P - 1),)
+    return {
+        "in flight": Collectives(P, replicas=D, shard=True),
+        "hook": Collectives(P, replicas=D, shard=True, hook=True),
+        "clipping": Collectives(P, replicas=D, clip=True, shard=True),
+        "ties": Collectives(P, replicas=D, ties=ties, shard=True),
+        "ties, clipping": Collectives(P, replicas=D, clip=True, ties=ties, shard=True),
+        "two ties, clipping": Collectives(P, replicas=D, clip=True, ties=(*ties, (1, P - 1)), shard=True),
+    }
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("D", [2, 3])
+def test_sharded_optimizer_state_never_deadlocks_under_nccl_semantics(kind, P, D):
+    """Sharded state: the reduce-scatter posted at UPDATE, waited for at the next backward (which posts the
+    all-gather) or, with clipping or ties, at once; the all-gather waited for where the version is needed. Every
+    operation on the replicas' communicator shares its queue, and each replica posts them in the same order."""
+    for name, collectives in sharded_collectives(P, D).items():
+        for M in (P, 2 * P):
+            progs = programs(kind, P, M, collectives=collectives)
+            for per_link in (True, False):
+                check_transfers(progs, rendezvous=True, per_link=per_link)
+            check_transfers(progs, rendezvous=False)
+    # In flight, with nothing pending across the pipeline, even one hardware queue per device is safe.
+    for name in ("in flight", "hook"):
+        check_transfers(programs(kind, P, P, collectives=sharded_collectives(P, D)[name]), one_queue=True)
+
+
+def test_where_a_sharded_update_waits_and_posts():
+    """The items of one update, in flight and with clipping and ties (stage 0 of replica 1 of two, P = 2)."""
+    scatter, gather = (("C", ("data", (0, 2)), (name, 3, 0)) for name in ("reduce-scatter", "all-gather"))
+    in_flight = Collectives(2, replicas=2, shard=True)
+    assert in_flight.at_update(0, 3, 1) == ([("post", scatter)], [("wait", gather)])
+    assert in_flight.at_backward(0, 3, 1) == [("wait", scatter), ("post", gather)]
+    now, later = Collectives(2, replicas=2, clip=True, ties=((0, 1),), shard=True).at_update(0, 3, 1)
+    tied, norms = (("C", ("data", (0, 2)), (name, 3, 0)) for name in ("tied average", "norms"))
+    tie, norm = ("C", ("tie 0", (2, 3)), ("tie", 3, 0)), ("C", ("norm", (2, 3)), ("norm", 3, 0))
+    assert now == [
+        ("post", scatter),
+        ("post", tied),
+        ("wait", tied),
+        ("wait", scatter),
+        ("post", norms),
+        ("wait", norms),
+        ("post", tie),
+    ]
+    assert later == [("wait", tie), ("post", norm), ("wait", norm), ("post", gather), ("wait", gather)]
+    # Stage 0 of 2BW (0F2 0SF2 0RB1 0B1 0U0 0F3 0SF3 0RB2 0B2 | 0F4 ... 0U1 ... 0B4 | drain: 0RB5 0B5 0U2).
+    program = host_program(segments("2bw", 2, 2, 0, [(0, 3)], evaluations=0), collectives=in_flight, replica=1)
+    data = [(k, op[2][0], op[2][1]) for k, arg in program for op in ((arg,) if k == "wait" else arg) if op[0] == "C"]
+    assert data == [
+        ("post", "reduce-scatter", 0),  # 0U0
+        ("wait", "reduce-scatter", 0),  # 0B2, the next backward
+        ("post", "all-gather", 0),
+        ("wait", "all-gather", 0),  # 0F4, the first forward on version 1
+        ("post", "reduce-scatter", 1),  # 0U1
+        ("wait", "reduce-scatter", 1),  # 0B4
+        ("post", "all-gather", 1),
+        ("wait", "all-gather", 1),  # 0U2, which reuses the buffers, before its reduce-scatter
+        ("post", "reduce-scatter", 2),
+        ("wait", "reduce-scatter", 2),  # the flush: no backward came after 0U2
+        ("post", "all-gather", 2),
+        ("wait", "all-gather", 2),
+    ]
+    backward = program.index(("wait", scatter[:2] + (("reduce-scatter", 0, 0),)))
+    assert program[backward - 1] == ("wait", ("R", (2, 3), ("B", 1, 0)))  # the gradient 0B2 needs
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_sharded_step_at_update_deadlocks_2bw(P):
+    """Stepping (and all-gathering) at UPDATE with clipping or ties, to overlap the all-gather, needs the
+    pipeline's norm and the tied sums there: a synchronous clipping, which deadlocks 2BW (its last stage updates
+    before the first stage has sent it the next step's activations). 1F1B needs the version at once."""
+    for options in ({"clip": True}, {"ties": ((0, P - 1),)}):
+        collectives = Collectives(P, replicas=2, shard=True, deferred=False, **options)
+        with pytest.raises(AssertionError, match="transfers deadlock"):
+            check_transfers(programs("2bw", P, P, collectives=collectives), rendezvous=True)
+        check_transfers(programs("1f1b", P, P, collectives=collectives), rendezvous=True)
+
+
+@dataclass(frozen=True)
+class OwnerlessReplicaSkipsGather(Collectives):
+    """Sharded state where the last replica, owning no tensor, posts no all-gather (``ReplicaShards.gather``
+    posts one for every replica, with an empty segment if need be)."""
+
+    def at_update(self, stage, step, replica):
+        now, later = super().at_update(stage, step, replica)
+        return now, [item for item in later if replica < self.replicas - 1 or item[1][2][0] != "all-gather"]
+
+    def at_backward(self, stage, step, replica, deferred=None):
+        items = super().at_backward(stage, step, replica, deferred)
+        return [item for item in items if replica < self.replicas - 1 or item[1][2][0] != "all-gather"]
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("clip", [False, True])
+def test_every_replica_must_post_the_all_gather(kind, clip):
+    progs = programs(kind, 3, 3, collectives=OwnerlessReplicaSkipsGather(3, replicas=2, clip=clip, shard=True))
+    with pytest.raises(AssertionError, match="transfers deadlock"):
+        check_transfers(progs, rendezvous=False)
+
+
 class RecordingChannel:
     """Stands in for :class:`Channel` and records what the runtime posts and waits for."""
 
@@ -234,6 +339,12 @@ class RecordingCollectives:
             work.wait()  # a blocking all-reduce: on NCCL the compute stream waits for it
         return work if async_op else None
 
+    def reduce_scatter_single(self, output, input, op=None, group=None, async_op=False):
+        return self.all_reduce(output, op, group, async_op)
+
+    def all_gather_single(self, output, input, group=None, async_op=False):
+        return self.all_reduce(output, None, group, async_op)
+
 
 def project(items, stage: int):
     """The model's items as (role, side) per transfer, (role, group name) per collective, as the recorders log."""
@@ -257,21 +368,39 @@ def project(items, stage: int):
 @pytest.mark.parametrize("P,M", [(2, 2), (3, 6), (4, 4)])
 @pytest.mark.parametrize(
     "with_collectives",
-    ["none", "clipping", "ties", "ties, clipping", "replicas", "replicas, clipping", "replicas, ties, clipping"],
+    [
+        "none",
+        "clipping",
+        "ties",
+        "ties, clipping",
+        "replicas",
+        "replicas, clipping",
+        "replicas, ties, clipping",
+        "shard",
+        "shard, clipping",
+        "shard, ties",
+        "shard, ties, clipping",
+        "shard, hook",
+    ],
 )
 def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monkeypatch):
     torch.manual_seed(0)
     width, rows = 4, 2
     tie_stages = ((0, P - 1), (1, P - 1)) if P > 2 else ((0, P - 1),)
-    replicas = 2 if "replicas" in with_collectives else 1
+    shard = "shard" in with_collectives
+    replicas = 2 if "replicas" in with_collectives or shard else 1
     clip = "clipping" in with_collectives
     collectives = None
     if with_collectives != "none":
         ties = tie_stages if "ties" in with_collectives else ()
-        collectives = Collectives(P, replicas=replicas, clip=clip, ties=ties)
+        hook = "hook" in with_collectives
+        collectives = Collectives(P, replicas=replicas, clip=clip, ties=ties, shard=shard, hook=hook)
     log: list = []
-    monkeypatch.setattr(updates.dist, "all_reduce", RecordingCollectives(log).all_reduce)
+    recorder = RecordingCollectives(log)
+    for name in ("all_reduce", "reduce_scatter_single", "all_gather_single"):
+        monkeypatch.setattr(updates.dist, name, getattr(recorder, name))
     monkeypatch.setattr(updates.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(updates.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(updates.dist, "get_backend", lambda group=None: "gloo")
     # The first tie is a weight, the second a bias (of the one linear layer each stage has).
     shapes = ((width, width), (width,))
@@ -299,6 +428,8 @@ def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monke
             clip_grad_norm=1.0 if clip else None,
             norm_group="norm",
             data_group="data" if replicas > 1 else None,
+            shard_optimizer=shard,
+            before_update=(lambda: None) if "hook" in with_collectives else None,
             ties=TiedGradients(
                 tie_list, stage, [f"tie {i}" if stage in t.names else None for i, t in enumerate(tie_list)]
             )
