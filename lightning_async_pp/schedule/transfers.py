@@ -98,16 +98,17 @@ class Collectives:
 
     With ``shard``, the replicas' all-reduce is a reduce-scatter (``RS``) and an all-gather (``AG``) on the same
     communicator of the stage's replicas ("data"), which also carries, in posting order, the tied gradients'
-    average and the per-tensor norms. Without clipping or ties, ``UPDATE(t)`` first completes every pending
-    update of a version ``<= t`` (the flat buffers are reused), then posts ``RS(t)``; the stage's next backward
-    waits for it and posts ``AG(t)`` (:meth:`at_backward`), which is waited for where version ``t + 1`` is
-    first needed (after waiting for ``RS(t)`` and posting ``AG(t)`` there if no backward came first). With
-    clipping or ties, ``UPDATE(t)`` posts ``RS(t)``, posts and waits for the tied gradients' average, waits for
-    ``RS(t)``, posts and waits for the per-tensor norms (clipping), then posts the ties' and the norm's
-    all-reduces as without sharding; where the version is needed, after their waits, the owner steps and
-    ``AG(t)`` is posted and waited for at once. With a ``before_update`` hook alone, ``UPDATE(t)`` completes the
-    earlier updates, posts ``RS(t)`` and waits for it at once (the hook needs the gradient); the next backward
-    posts ``AG(t)``.
+    average and the per-tensor norms. ``UPDATE(t)`` first completes every pending update of a version ``<= t``
+    (the flat buffers are reused; by then that update has been stepped, so this waits for its ``AG``). Without
+    clipping or ties it then posts ``RS(t)``; the stage's next backward waits for it and posts ``AG(t)``
+    (:meth:`at_backward`), which is waited for where version ``t + 1`` is first needed (after waiting for
+    ``RS(t)`` and posting ``AG(t)`` there if no backward came first). With clipping or ties, ``UPDATE(t)`` posts
+    ``RS(t)``, posts and waits for the tied gradients' average, waits for ``RS(t)``, posts and waits for the
+    per-tensor norms (clipping), then posts the ties' and the norm's all-reduces as without sharding; the
+    forward of micro-batch ``P - 1`` of step ``t + 1`` waits for those, steps and posts ``AG(t)``
+    (:meth:`at_settle`), which is waited for where the version is needed (1F1B: all of it there). With a
+    ``before_update`` hook alone, ``UPDATE(t)`` posts ``RS(t)`` and waits for it at once (the hook needs the
+    gradient); the next backward posts ``AG(t)``.
 
     Args:
         num_stages: Stages per pipeline.
@@ -145,7 +146,13 @@ class Collectives:
     def completes_at_update(self) -> bool:
         """Whether ``UPDATE`` first completes the pending updates of versions up to its step (which reuse the
         replicas' buffers; with a hook alone, without sharding, nothing is pending there)."""
-        return self.replicas > 1 and not self.clip and not self.ties
+        return self.replicas > 1 and (self.sharded or (not self.clip and not self.ties))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether the sharded update needs the stage's replicas alone (no clipping, no ties): it is stepped at
+        the stage's next backward (:meth:`at_backward`), otherwise where it settles (:meth:`at_settle`)."""
+        return self.sharded and not self.clip and not self.ties
 
     @property
     def sharded(self) -> bool:
@@ -159,6 +166,19 @@ class Collectives:
     def at_update(self, stage: int, step: int, replica: int) -> tuple[list[tuple], list[tuple]]:
         """What ``UPDATE(step)`` of ``stage`` does: the items of :func:`host_program` at the update, and those
         left for where the version it produces is first needed (``("post", op)`` or ``("wait", op)`` each)."""
+        now, settle, later = self._plan(stage, step, replica)
+        if not self.deferred:
+            return now + self.at_backward(stage, step, replica, deferred=True) + settle + later, []
+        return now, later
+
+    def at_settle(self, stage: int, step: int, replica: int) -> list[tuple]:
+        """What the forward of micro-batch ``num_stages - 1`` of step ``step + 1`` does for ``UPDATE(step)``
+        (``UpdateDriver.settle``, :func:`~lightning_async_pp.schedule.updates_settled_by`): with sharded state
+        and clipping or ties, wait for the tied sums and the norm, step, and post the all-gather. Where the
+        version is needed first (1F1B), these items come first there."""
+        return self._plan(stage, step, replica)[1] if self.deferred else []
+
+    def _plan(self, stage: int, step: int, replica: int) -> tuple[list[tuple], list[tuple], list[tuple]]:
         base = replica * self.num_stages
         now: list[tuple] = []
         later: list[tuple] = []
@@ -166,7 +186,7 @@ class Collectives:
         if self.sharded:
             scatter, gather = self._data(stage, "reduce-scatter", step), self._data(stage, "all-gather", step)
             now.append(("post", scatter))
-            if self.completes_at_update:
+            if self.in_flight:
                 # Waited for at the next backward (`at_backward`, at once with a hook), which posts the all-gather.
                 now += [("wait", scatter)] if self.hook else []
                 later.append(("wait", gather))
@@ -192,18 +212,17 @@ class Collectives:
             chain = [("wait", tie[i]) for i in lowest] + [("post", norm)]
             (later if lowest and stage == 0 else now).extend(chain)
             later += [("wait", tie[i]) for i in owned if i not in lowest] + [("wait", norm)]
-        if self.sharded and not self.completes_at_update:
-            # The owner steps once the sums and the norm are in, and the new weights are gathered at once.
-            later += [("post", gather), ("wait", gather)]
-        if not self.deferred:
-            return now + self.at_backward(stage, step, replica, deferred=True) + later, []
-        return now, later
+        if self.sharded and not self.in_flight:
+            # The owner steps once the sums and the norm are in (where the update settles); the all-gather
+            # overlaps the rest of the step.
+            return now, later + [("post", gather)], [("wait", gather)]
+        return now, [], later
 
     def at_backward(self, stage: int, step: int, replica: int, deferred: bool | None = None) -> list[tuple]:
         """What the stage's first backward after ``UPDATE(step)`` does for it (``UpdateDriver.advance``): with
         sharded state in flight, wait for the reduce-scatter, step, and post the all-gather. Where the version is
         needed before any backward came, these items come first there."""
-        if not self.sharded or not self.completes_at_update or not (self.deferred if deferred is None else deferred):
+        if not self.in_flight or not (self.deferred if deferred is None else deferred):
             return []
         wait = [] if self.hook else [("wait", self._data(stage, "reduce-scatter", step))]
         return [*wait, ("post", self._data(stage, "all-gather", step))]
@@ -243,8 +262,9 @@ def host_program(
     """
     offset = replica * collectives.num_stages if collectives is not None else 0
     items: list[tuple] = []
-    # What each UPDATE left for later: (version produced, items at the next backward, items where needed).
-    pending: list[tuple[int, list[tuple], list[tuple]]] = []
+    # What each UPDATE left for later: (version produced, where its early items go, those items, items where
+    # needed); early items go at the next backward (None) or at the forward of a (step, micro-batch).
+    pending: list[tuple[int, tuple[int, int] | None, list[tuple], list[tuple]]] = []
     for actions in segments:
         if isinstance(actions, str):
             assert actions == FLUSH, actions
@@ -263,6 +283,11 @@ def host_program(
         for op in sorted(plan.start):
             items.append(("post", tuple(next_receive(op))))
         for k, a in enumerate(actions):
+            if a.op is Op.FORWARD:
+                for _, at, early, _ in pending:
+                    if at == (a.step, a.microbatch):
+                        items += early
+                        early.clear()
             needed = None
             if a.op is Op.UPDATE and collectives is not None and collectives.completes_at_update:
                 needed = a.version - 1
@@ -273,12 +298,15 @@ def host_program(
             if a.op is Op.UPDATE and collectives is not None:
                 now, later = collectives.at_update(a.stage, a.step, replica)
                 advance = collectives.at_backward(a.stage, a.step, replica)
+                settle = collectives.at_settle(a.stage, a.step, replica)
+                at = (a.step + 1, collectives.num_stages - 1) if settle else None
                 items += _items(now)
-                pending.append((a.version, _items(advance), _items(later)))
+                pending.append((a.version, at, _items(advance or settle), _items(later)))
             if a.op is Op.BACKWARD:
-                for _, advance, _ in pending:
-                    items += advance
-                    advance.clear()
+                for _, at, advance, _ in pending:
+                    if at is None:
+                        items += advance
+                        advance.clear()
             if not a.is_comm:
                 continue
             receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
@@ -306,12 +334,14 @@ def _items(pairs: Iterable[tuple[str, _TransferOp]]) -> list[tuple]:
     return [(kind, (op,) if kind == "post" else op) for kind, op in pairs]
 
 
-def _release(pending: list[tuple[int, list[tuple], list[tuple]]], needed: int | None) -> list[tuple]:
+def _release(
+    pending: list[tuple[int, tuple[int, int] | None, list[tuple], list[tuple]]], needed: int | None
+) -> list[tuple]:
     """Remove the pending updates producing a version ``<= needed`` (all if ``None``) and return their items,
     update after update, what the next backward would have done first."""
     done = [entry for entry in pending if needed is None or entry[0] <= needed]
     del pending[: len(done)]  # in order of the versions they produce
-    return [item for _, advance, later in done for item in advance + later]
+    return [item for _, _, early, later in done for item in early + later]
 
 
 def check_transfers(

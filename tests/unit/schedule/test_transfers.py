@@ -223,7 +223,8 @@ def test_where_a_sharded_update_waits_and_posts():
     in_flight = Collectives(2, replicas=2, shard=True)
     assert in_flight.at_update(0, 3, 1) == ([("post", scatter)], [("wait", gather)])
     assert in_flight.at_backward(0, 3, 1) == [("wait", scatter), ("post", gather)]
-    now, later = Collectives(2, replicas=2, clip=True, ties=((0, 1),), shard=True).at_update(0, 3, 1)
+    clipped = Collectives(2, replicas=2, clip=True, ties=((0, 1),), shard=True)
+    now, later = clipped.at_update(0, 3, 1)
     tied, norms = (("C", ("data", (0, 2)), (name, 3, 0)) for name in ("tied average", "norms"))
     tie, norm = ("C", ("tie 0", (2, 3)), ("tie", 3, 0)), ("C", ("norm", (2, 3)), ("norm", 3, 0))
     assert now == [
@@ -235,7 +236,21 @@ def test_where_a_sharded_update_waits_and_posts():
         ("wait", norms),
         ("post", tie),
     ]
-    assert later == [("wait", tie), ("post", norm), ("wait", norm), ("post", gather), ("wait", gather)]
+    assert clipped.at_settle(0, 3, 1) == [("wait", tie), ("post", norm), ("wait", norm), ("post", gather)]
+    assert later == [("wait", gather)]
+    assert clipped.at_backward(0, 3, 1) == [] and in_flight.at_settle(0, 3, 1) == []
+    # With clipping (no tie), stage 1 of 2BW settles UPDATE(t) at its forward of micro-batch P - 1 = 1 of t + 1.
+    program = host_program(
+        segments("2bw", 2, 2, 1, [(0, 3)], evaluations=0),
+        collectives=Collectives(2, replicas=2, clip=True, shard=True),
+        replica=1,
+    )
+    marks = [(k, op[2][0], op[2][1]) for k, arg in program for op in ((arg,) if k == "wait" else arg) if op[0] == "C"]
+    settled = marks.index(("wait", "norm", 0))
+    assert marks[settled + 1] == ("post", "all-gather", 0)
+    assert marks[settled + 2 :][:1] == [("wait", "all-gather", 0)]  # at the next UPDATE, before its reduce-scatter
+    forward = program.index(("wait", ("R", (2, 3), ("F", 1, 1))))  # stage 1 receives F(1, 1) before it runs it
+    assert program.index(("wait", ("C", ("norm", (2, 3)), ("norm", 0, 0)))) > forward
     # Stage 0 of 2BW (0F2 0SF2 0RB1 0B1 0U0 0F3 0SF3 0RB2 0B2 | 0F4 ... 0U1 ... 0B4 | drain: 0RB5 0B5 0U2).
     program = host_program(segments("2bw", 2, 2, 0, [(0, 3)], evaluations=0), collectives=in_flight, replica=1)
     data = [(k, op[2][0], op[2][1]) for k, arg in program for op in ((arg,) if k == "wait" else arg) if op[0] == "C"]
@@ -280,6 +295,10 @@ class OwnerlessReplicaSkipsGather(Collectives):
 
     def at_backward(self, stage, step, replica, deferred=None):
         items = super().at_backward(stage, step, replica, deferred)
+        return [item for item in items if replica < self.replicas - 1 or item[1][2][0] != "all-gather"]
+
+    def at_settle(self, stage, step, replica):
+        items = super().at_settle(stage, step, replica)
         return [item for item in items if replica < self.replicas - 1 or item[1][2][0] != "all-gather"]
 
 
