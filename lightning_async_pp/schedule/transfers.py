@@ -82,6 +82,9 @@ def posting_plan(actions: Sequence[Action], eager: bool = False) -> PostingPlan:
 # upper rank), message (direction "F"/"B", step, micro-batch). A collective: role "C", group (communicator
 # name, its ranks), message (name, step, index); every participant posts the same tuple.
 _TransferOp = tuple[str, tuple, tuple[str, int, int]]
+# What an UPDATE left for later: (version produced, where its early items go: the next backward (None) or the
+# forward of a (step, micro-batch), those items, the items where the version is needed).
+_Pending = tuple[int, tuple[int, int] | None, list[tuple], list[tuple]]
 
 FLUSH = "flush"
 """An item of :func:`host_program`'s segments: the stage waits for every pending collective, as
@@ -249,8 +252,9 @@ def host_program(
     Items are ``("post", ops)`` (one :func:`torch.distributed.batch_isend_irecv` call, or one collective) and
     ``("wait", op)`` (waiting for a receive or a collective before the compute that needs it). What an
     ``UPDATE`` leaves pending is done where its version is first needed (a forward on it; the next ``UPDATE``
-    when :attr:`Collectives.completes_at_update`) or at :data:`FLUSH`, and what :meth:`Collectives.at_backward`
-    gives at the stage's next backward, if that comes first. A wait on NCCL
+    when :attr:`Collectives.completes_at_update`) or at :data:`FLUSH`; what :meth:`Collectives.at_backward`
+    gives at the stage's next backward and what :meth:`Collectives.at_settle` gives at the forward of
+    micro-batch ``P - 1`` of the next step, if those come first. A wait on NCCL
     does not block the host but orders the compute stream behind the operation, and every later send or
     receive is ordered behind that compute, so blocking the host at the wait models the same dependencies.
 
@@ -262,9 +266,7 @@ def host_program(
     """
     offset = replica * collectives.num_stages if collectives is not None else 0
     items: list[tuple] = []
-    # What each UPDATE left for later: (version produced, where its early items go, those items, items where
-    # needed); early items go at the next backward (None) or at the forward of a (step, micro-batch).
-    pending: list[tuple[int, tuple[int, int] | None, list[tuple], list[tuple]]] = []
+    pending: list[_Pending] = []
     for actions in segments:
         if isinstance(actions, str):
             assert actions == FLUSH, actions
@@ -283,30 +285,7 @@ def host_program(
         for op in sorted(plan.start):
             items.append(("post", tuple(next_receive(op))))
         for k, a in enumerate(actions):
-            if a.op is Op.FORWARD:
-                for _, at, early, _ in pending:
-                    if at == (a.step, a.microbatch):
-                        items += early
-                        early.clear()
-            needed = None
-            if a.op is Op.UPDATE and collectives is not None and collectives.completes_at_update:
-                needed = a.version - 1
-            elif a.op is Op.FORWARD:
-                needed = a.version
-            if needed is not None:
-                items += _release(pending, needed)
-            if a.op is Op.UPDATE and collectives is not None:
-                now, later = collectives.at_update(a.stage, a.step, replica)
-                advance = collectives.at_backward(a.stage, a.step, replica)
-                settle = collectives.at_settle(a.stage, a.step, replica)
-                at = (a.step + 1, collectives.num_stages - 1) if settle else None
-                items += _items(now)
-                pending.append((a.version, at, _items(advance or settle), _items(later)))
-            if a.op is Op.BACKWARD:
-                for _, at, advance, _ in pending:
-                    if at is None:
-                        items += advance
-                        advance.clear()
+            items += _collectives_at(a, pending, collectives, replica)
             if not a.is_comm:
                 continue
             receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
@@ -329,14 +308,51 @@ def host_program(
     return items + _release(pending, None)
 
 
+def _collectives_at(
+    a: Action,
+    pending: list[_Pending],
+    collectives: Collectives | None,
+    replica: int,
+) -> list[tuple]:
+    """What action ``a`` does with the collectives of the updates: release what waited for it, and for an
+    ``UPDATE`` post its own (leaving the rest in ``pending``)."""
+    items = _early(pending, (a.step, a.microbatch)) if a.op is Op.FORWARD else []
+    needed = None
+    if a.op is Op.UPDATE and collectives is not None and collectives.completes_at_update:
+        needed = a.version - 1
+    elif a.op is Op.FORWARD:
+        needed = a.version
+    if needed is not None:
+        items += _release(pending, needed)
+    if a.op is Op.UPDATE and collectives is not None:
+        now, later = collectives.at_update(a.stage, a.step, replica)
+        advance = collectives.at_backward(a.stage, a.step, replica)
+        settle = collectives.at_settle(a.stage, a.step, replica)
+        at = (a.step + 1, collectives.num_stages - 1) if settle else None
+        items += _items(now)
+        pending.append((a.version, at, _items(advance or settle), _items(later)))
+    if a.op is Op.BACKWARD:
+        items += _early(pending, None)
+    return items
+
+
 def _items(pairs: Iterable[tuple[str, _TransferOp]]) -> list[tuple]:
     """:meth:`Collectives.at_update`'s pairs as :func:`host_program`'s items (a post is a batch of one)."""
     return [(kind, (op,) if kind == "post" else op) for kind, op in pairs]
 
 
-def _release(
-    pending: list[tuple[int, tuple[int, int] | None, list[tuple], list[tuple]]], needed: int | None
-) -> list[tuple]:
+def _early(pending: list[_Pending], at: tuple[int, int] | None) -> list[tuple]:
+    """The early items of the pending updates that go at ``at`` (a forward's (step, micro-batch); ``None``: a
+    backward), taken out of ``pending``."""
+    items = []
+    for _, where, early, _ in pending:
+        if where == at:
+            items += early
+            early.clear()
+    return items
+
+
+def _release(pending: list[_Pending], needed: int | None) -> list[tuple]:
     """Remove the pending updates producing a version ``<= needed`` (all if ``None``) and return their items,
     update after update, what the next backward would have done first."""
     done = [entry for entry in pending if needed is None or entry[0] <= needed]
