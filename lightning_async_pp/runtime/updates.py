@@ -260,7 +260,7 @@ class UpdateDriver:
             self.apply(pending)
 
     def settle(self, step: int, microbatch: int) -> None:
-        """Sharded state with clipping, ties or a hook: at the forward of micro-batch
+        """Sharded state with clipping or ties: at the forward of micro-batch
         :func:`~lightning_async_pp.schedule.updates_settled_by` of step ``step``, every stage has posted what the
         update of step ``step - 1`` exchanges over the pipeline (its norm, its tied sums): wait for it, step the
         owned tensors and post the all-gather, which then overlaps the rest of the step."""
@@ -272,8 +272,9 @@ class UpdateDriver:
                 self._step(pending)
 
     def advance(self) -> None:
-        """Step on the owned gradients whose reduce-scatter was posted at an earlier action, and post their
-        all-gather (sharded state without clipping, hook or ties; called at each backward)."""
+        """Step on the owned gradients whose reduce-scatter was posted at an earlier action (or waited for at
+        once, for a hook), and post their all-gather (sharded state without clipping or ties; called at each
+        backward)."""
         for pending in self.pending:
             if pending.reduce is not None:
                 pending.grads, pending.reduce = pending.reduce(), None
