@@ -110,6 +110,7 @@ def worker(args: argparse.Namespace) -> None:
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[StepClock()],
+        gradient_clip_val=args.clip or None,
     )
     # Each item is already a batch; each replica reads its shard of them (Lightning's DistributedSampler).
     batches = random_token_batches(D * (args.warmup + args.steps), batch_size=args.batch_size, block_size=args.seq)
@@ -136,7 +137,18 @@ def run_job(args: argparse.Namespace, optimizer: str, shard: bool, directory: Pa
     directory.mkdir(parents=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--optimizer", optimizer]
     command += ["--shard"] if shard else []
-    for flag in ("layers", "width", "heads", "seq", "batch_size", "microbatches", "warmup", "steps", "ns_dtype"):
+    for flag in (
+        "layers",
+        "width",
+        "heads",
+        "seq",
+        "batch_size",
+        "microbatches",
+        "warmup",
+        "steps",
+        "ns_dtype",
+        "clip",
+    ):
         command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     command += ["--result-dir", str(directory)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -205,7 +217,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"n_layer={c['layers']}, n_embd={c['width']}, n_head={c['heads']}, {c['parameters'] / 1e6:.2f}M "
         f"parameters; {c['batch_size']} sequences of {c['seq']} tokens per replica and step in "
         f"M = {c['microbatches']} micro-batches; {c['warmup']} warm-up + {c['steps']} timed steps; "
-        f"{c['repeats']} interleaved repetitions; Muon's Newton-Schulz in {c['ns_dtype']}; torch {m['torch']}; "
+        f"{c['repeats']} interleaved repetitions; gradient clipping at {c.get('clip') or 'none'}; "
+        f"Muon's Newton-Schulz in {c['ns_dtype']}; torch {m['torch']}; "
         f"{m['cores']} CPU cores ({m['cpu']}).",
         "",
         "| optimizer | stage | replicated bytes/rank | sharded max | sharded min | max/replicated "
@@ -240,7 +253,7 @@ def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     config = {"P": P, "D": D, "parameters": sum(p.numel() for p in model.parameters()), "quick": args.quick}
     for key in ("layers", "width", "heads", "seq", "batch_size", "microbatches", "warmup", "steps", "repeats"):
         config[key] = getattr(args, key)
-    config.update(ns_dtype=args.ns_dtype, optimizers=list(args.optimizers))
+    config.update(ns_dtype=args.ns_dtype, clip=args.clip, optimizers=list(args.optimizers))
     return {
         "machine": machine_description(),
         "config": config,
@@ -262,6 +275,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 3, quick 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8, quick 2)")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions of each job (default 2, quick 1)")
+    parser.add_argument(
+        "--clip", type=float, default=1.0, help="gradient_clip_val (0: none, the update stays in flight from UPDATE)"
+    )
     parser.add_argument("--ns-dtype", default="float32", choices=["float32", "bfloat16"], help="Muon's Newton-Schulz")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 1 repetition of 1 + 2 steps (smoke test)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is killed")
