@@ -17,7 +17,11 @@ One update, for the stage's gradients of one step:
 2. The owner steps its tensors (an optimizer that holds only them, :func:`keep_owned`).
 3. :meth:`ReplicaShards.gather` copies the owned new weights into their segment of the same flat buffer, which
    the reduce-scatter no longer needs, and posts an all-gather in place; its finish copies the other replicas'
-   tensors into the new weight version. No buffer beyond the gradient's is needed.
+   tensors into the new weight version. Besides the flat buffer (the size of the gradient, as the unsharded
+   average's buckets) only the owner's ``1/D`` of it is allocated.
+
+When each step runs (at ``UPDATE``, the next backward, or where the update settles) is
+:class:`~lightning_async_pp.runtime.updates.UpdateDriver`'s business.
 """
 
 from __future__ import annotations
