@@ -321,11 +321,7 @@ class UpdateDriver:
         while self.pending and (up_to_version is None or self.pending[0].step + 1 <= up_to_version):
             pending = self.pending.pop(0)
             self._collect(pending)
-            if pending.gather is None:
-                self._step(pending)
-            if pending.gather is not None:
-                pending.gather()
-            self._publish(pending)
+            self.apply(pending)
 
     def _collect(self, pending: PendingUpdate) -> None:
         """Wait for what ``pending`` still waits for: the average (or reduce-scatter), the norm, the tied sums."""
@@ -344,8 +340,10 @@ class UpdateDriver:
                 pending.norm_sq = norm_sq
 
     def apply(self, pending: PendingUpdate) -> None:
-        """Write version ``pending.step + 1``: step the optimizer on the (clipped) gradient."""
-        self._step(pending)
+        """Write version ``pending.step + 1``: step the optimizer on the (clipped) gradient, unless that was done
+        earlier (sharded state: then its all-gather is in flight), and make it the newest version."""
+        if pending.gather is None:
+            self._step(pending)
         if pending.gather is not None:
             pending.gather()
         self._publish(pending)

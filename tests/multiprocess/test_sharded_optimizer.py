@@ -5,7 +5,8 @@ the gradients with one all-reduce and steps every tensor on every replica (it is
 in ``test_data_parallel``); the sharded run reduce-scatters to each tensor's owner, steps only the owned
 tensors and all-gathers the new weights, and with clipping takes each tensor's norm on its owner. The losses
 and final weights must agree to 1e-6 (they agree bitwise), with gradient clipping and a tied embedding, for
-AdamW, Muon and ``DelayCorrected(Muon)`` (Newton-Schulz in float32), under 2BW and 1F1B; without clipping and
+AdamW and ``DelayCorrected(Muon)`` (Newton-Schulz in float32; Muon's own path is the one inside it), under 2BW
+and 1F1B; without clipping and
 ties, where the update stays in flight across actions (``DelayCorrected(AdamW, coefficient="auto")``); and
 with ``bf16-mixed`` and activation checkpointing. Each replica must hold only part of the state: about half,
 at most one tensor more. Three stages with a tie from the first to the last give the same bits too, and an
@@ -49,7 +50,6 @@ CLIP_AND_TIE = ("--clip", "0.5", "--tie-weights")
 CASES = [
     pytest.param("adamw", "2bw", CLIP_AND_TIE, id="adamw-2bw-clip-tie"),
     pytest.param("auto_adamw", "2bw", (), id="auto_adamw-2bw-in-flight"),
-    pytest.param("muon", "2bw", CLIP_AND_TIE, id="muon-2bw-clip-tie", marks=pytest.mark.slow),
     pytest.param("corrected_muon", "2bw", CLIP_AND_TIE, id="corrected_muon-2bw-clip-tie"),
     pytest.param("corrected_muon", "1f1b", CLIP_AND_TIE, id="corrected_muon-1f1b-clip-tie", marks=pytest.mark.slow),
     pytest.param(
@@ -91,7 +91,8 @@ def test_sharded_state_trains_the_replicated_trajectory(tmp_path, optimizer, sch
 
 
 def test_an_optimizer_that_needs_all_parameters_is_refused(tmp_path):
-    command = [sys.executable, "-m", RUNNER, "--devices", "4", "--pipeline-size", "2", "--optimizer", "lbfgs"]
+    # One stage, two replicas: the fewest processes that shard.
+    command = [sys.executable, "-m", RUNNER, "--devices", "2", "--pipeline-size", "1", "--optimizer", "lbfgs"]
     command += ["--shard-optimizer", "--out", str(tmp_path)]
     returncode, output = run_script(command, TIMEOUT)
     assert returncode != 0
