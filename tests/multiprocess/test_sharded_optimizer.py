@@ -6,9 +6,8 @@ in ``test_data_parallel``); the sharded run reduce-scatters to each tensor's own
 tensors and all-gathers the new weights, and with clipping takes each tensor's norm on its owner. The losses
 and final weights must agree to 1e-6 (they agree bitwise), with gradient clipping and a tied embedding, for
 AdamW and ``DelayCorrected(Muon)`` (Newton-Schulz in float32; Muon's own path is the one inside it), under 2BW
-and 1F1B; without clipping and
-ties, where the update stays in flight across actions (``DelayCorrected(AdamW, coefficient="auto")``); and
-with ``bf16-mixed`` and activation checkpointing. Each replica must hold only part of the state: about half,
+and 1F1B; without clipping and ties, where the update stays in flight across actions
+(``DelayCorrected(AdamW, coefficient="auto")``); and with ``bf16-mixed`` and activation checkpointing. Each replica must hold only part of the state: about half,
 at most one tensor more. Three stages with a tie from the first to the last give the same bits too, and an
 optimizer that needs all the parameters is refused.
 
