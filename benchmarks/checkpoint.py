@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from bench_common import heap_in_use, machine_description
 
+from lightning_async_pp.strategy.checkpointing import base_checkpoint_io, previous_weights
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 """The demo GPT's size (examples/configs/quickstart.yaml); ``size`` k multiplies its width by sqrt(k)."""
@@ -91,7 +93,7 @@ def gather_save(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
     optimizer = strategy.optimizers[0]
     state = {
         "stage": strategy.stage,
-        "previous": strategy._previous_weights(),
+        "previous": previous_weights(strategy),
         "optimizer": optimizer.state_dict(),
         "state_dict": checkpoint["state_dict"],
     }
@@ -117,7 +119,7 @@ def save_timed(strategy: Any, dump: dict[str, Any], method: str, path: Path, rec
         if method == "gather":
             gather_save(strategy, dump, path)
         else:
-            io = strategy._sharded_io()
+            io = base_checkpoint_io(strategy.checkpoint_io)
             io.async_save = method == "dcp_async"
             strategy.save_checkpoint(dict(dump), path)
             if method == "dcp_async":
@@ -152,7 +154,7 @@ def load_timed(trainer: Any, module: Any, method: str, path: Path, record: dict[
                 state_dict=module.state_dict(),
                 module=module,
                 optimizer=strategy.optimizers[0],
-                previous=strategy._previous_weights(),
+                previous=previous_weights(strategy),
                 stage=strategy.stage,
                 process_group=strategy._groups.checkpoint,
             )
@@ -171,7 +173,7 @@ def measure(trainer: Any, module: Any, methods: list[str], out: Path) -> dict[st
     strategy = trainer.strategy
     share = _bytes(
         sharded.stage_shard(
-            module.state_dict(), strategy.optimizers[0], module, strategy._previous_weights(), strategy.stage
+            module.state_dict(), strategy.optimizers[0], module, previous_weights(strategy), strategy.stage
         )
     )
     record = {"rank": trainer.global_rank, "stage": strategy.stage, "share_mb": share / 2**20}

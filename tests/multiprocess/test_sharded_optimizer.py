@@ -7,9 +7,9 @@ tensors and all-gathers the new weights, and with clipping takes each tensor's n
 and final weights must agree to 1e-6 (they agree bitwise), with gradient clipping and a tied embedding, for
 AdamW and ``DelayCorrected(Muon)`` (Newton-Schulz in float32; Muon's own path is the one inside it), under 2BW
 and 1F1B; without clipping and ties, where the update stays in flight across actions
-(``DelayCorrected(AdamW, coefficient="auto")``); and with ``bf16-mixed`` and activation checkpointing. Each replica must hold only part of the state: about half,
-at most one tensor more. Three stages with a tie from the first to the last give the same bits too, and an
-optimizer that needs all the parameters is refused.
+(``DelayCorrected(AdamW, coefficient="auto")``); and with ``bf16-mixed`` and activation checkpointing. Each
+replica must hold only part of the state: about half, at most one tensor more. Three stages with a tie from the
+first to the last give the same bits too, and an optimizer that needs all the parameters is refused.
 
 A sharded checkpoint written at P = 2 x D = 2 resumes at P = 2 x D = 1 (the flag set, nothing to shard) and at
 P = 1 x D = 2 (sharded again, other owners) on the straight run's trajectory: each replica wrote the state of
