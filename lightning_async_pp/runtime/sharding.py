@@ -131,8 +131,6 @@ class ReplicaShards:
         self.size = dist.get_world_size(group)
         self.owned = [name for name in params if owners[name] == replica]
         """Names of the parameters this replica owns, in the stage's order."""
-        self.posted = 0
-        """Collectives posted so far (one reduce-scatter or all-gather per buffer)."""
         by_kind: dict[tuple[torch.device, torch.dtype], list[str]] = {}
         for name, p in params.items():
             by_kind.setdefault((p.device, p.dtype), []).append(name)
@@ -164,7 +162,6 @@ class ReplicaShards:
             torch._foreach_copy_(targets, sources)
             op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
             works.append(dist.reduce_scatter_single(f.mine, f.flat, op=op, group=self.group, async_op=True))
-            self.posted += 1
 
         def finish() -> dict[str, Tensor]:
             owned: dict[str, Tensor] = {}
@@ -192,7 +189,6 @@ class ReplicaShards:
                 torch._foreach_copy_(list(mine.values()), [weights[name] for name in mine])
             segment = f.flat[self.replica * f.length : (self.replica + 1) * f.length]
             works.append(dist.all_gather_single(f.flat, segment, group=self.group, async_op=True))
-            self.posted += 1
 
         @torch.no_grad()
         def finish() -> None:  # the weight versions are leaves that require grad

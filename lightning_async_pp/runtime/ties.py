@@ -207,12 +207,11 @@ class TiedGradients:
     ) -> Callable[[], Tensor | None]:
         """Post the sums (non-blocking); the returned function waits for them and writes them into ``grads``.
 
-        Each tie in ``grads`` is summed by one all-reduce over its owners (a tie missing from ``grads``, which
-        another replica owns when the optimizer state is sharded, is left to that replica). With ``norm_sq``
-        (this stage's squared norm of its untied gradients, for clipping) the sums are taken in float32, and one
-        all-reduce over the pipeline (``norm_group``; over every replica too, with sharded state) carries only
-        scalars: every stage's ``norm_sq`` and, from the lowest owner of each tie, the squared norm of its summed
-        gradient, so that each tie counts once; the returned function then gives the global squared norm.
+        Each owned tie's gradient is summed by one all-reduce over its owners. With ``norm_sq`` (this stage's
+        squared norm of its untied gradients, for clipping) the sums are taken in float32, and one all-reduce
+        over the pipeline (``norm_group``) carries only scalars: every stage's ``norm_sq`` and, from the lowest
+        owner of each tie, the squared norm of its summed gradient, so that each tie counts once; the returned
+        function then gives the global squared norm.
 
         The lowest owner needs its tie's sum before it can post the norm. Stage 0 (the first to need the new
         version, at a forward that waits for no other stage) posts it in the returned function, after the
@@ -221,7 +220,7 @@ class TiedGradients:
         """
         sums: list[tuple[int, Tensor, Tensor, Any]] = []  # (tie index, gradient, its float32 copy or itself, work)
         for index, tie in enumerate(self.ties):
-            if self.stage in tie.names and tie.names[self.stage] in grads:
+            if self.stage in tie.names:
                 grad = grads[tie.names[self.stage]]
                 summed = grad if norm_sq is None else grad.float()
                 sums.append((index, grad, summed, dist.all_reduce(summed, group=self.groups[index], async_op=True)))
