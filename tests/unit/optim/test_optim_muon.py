@@ -471,7 +471,8 @@ def test_describe_routing_counts_both_parts_and_names_matrices_on_adamw():
     assert routing["adamw_matrices"] == ["tok.weight", "classifier.weight"]
     line = optimizer.describe_routing()
     assert line.startswith(
-        f"Muon 2 tensors ({muon_numel:,} parameters, 1 conv kernels as matrices; Newton-Schulz in bfloat16), AdamW"
+        f"Muon 2 tensors ({muon_numel:,} parameters, 1 conv kernels as matrices; Newton-Schulz in bfloat16, batched"
+        " in 2 groups), AdamW"
     )
     assert line.endswith("matrices on AdamW: tok.weight, classifier.weight")
     # Unnamed tensors are numbered over all of the optimizer's parameters.
