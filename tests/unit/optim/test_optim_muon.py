@@ -22,16 +22,6 @@ def torch_precision():
         yield
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    # The tensors are tiny: a second intra-op thread only adds synchronization, which stalls when the
-    # machine is busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 MUON_KWARGS = {"lr": 0.02, "weight_decay": 0.05, "momentum": 0.9, "nesterov": True, "ns_steps": 5}
 ADAMW_KWARGS = {"lr": 3e-3, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.02}
 

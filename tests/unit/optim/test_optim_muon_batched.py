@@ -21,14 +21,6 @@ COEFFICIENTS = (3.4445, -4.775, 2.0315)
 FLOAT32_TOLERANCE, BFLOAT16_TOLERANCE = 1e-6, 1e-2
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # Matrices of at least 16 rows (as iterated): smaller ones take another kernel of the CPU's BLAS, in which a
 # transposed operand rounds differently, for the per-matrix path too (~1.5e-6 after the iteration).
 SHAPES = {
