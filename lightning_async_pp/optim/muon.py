@@ -92,10 +92,23 @@ def _newton_schulz_iterations(x: Tensor, ns_coefficients: tuple[float, float, fl
         raise ValueError(f"`ns_steps` must be less than 100 (torch.optim.Muon's limit), got {ns_steps}.")
     if len(ns_coefficients) != 3:
         raise ValueError(f"`ns_coefficients` must be three numbers (a, b, c), got {ns_coefficients!r}.")
+    if ns_steps == 0:
+        return x
     a, b, c = ns_coefficients
+    # The products write into buffers taken once and reused by every iteration: on CPU a fresh block of this
+    # size is fresh pages from the kernel each time, and `baddbmm` copies its first argument into its output,
+    # which costs as much as the products when the memory is cold. (`contiguous()`: tall matrices come as a
+    # transposed view.)
+    x = x.contiguous()
+    n, rows, _ = x.shape
+    gram = x.new_empty(n, rows, rows)
+    polynomial = x.new_empty(n, rows, rows)
+    other = torch.empty_like(x)
     for _ in range(ns_steps):
-        gram = torch.bmm(x, x.mT)
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        torch.bmm(x, x.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=polynomial)
+        torch.baddbmm(x, polynomial, x, beta=a, out=other)
+        x, other = other, x
     return x
 
 
