@@ -42,6 +42,17 @@ def save_report(report: dict[str, Any], out: str | None) -> None:
         Path(out).write_text(json.dumps(report, indent=1))
 
 
+def save_report_and_table(report: dict[str, Any], table: str, out: str | None, markdown: str | None) -> None:
+    """Print ``table``, write ``report`` as JSON to ``out`` and ``table`` to ``markdown`` (default: ``out`` with
+    the suffix ``.md``); nothing is written where neither is given."""
+    print(table)
+    save_report(report, out)
+    target = markdown or (str(Path(out).with_suffix(".md")) if out else None)
+    if target:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_text(table + "\n")
+
+
 def run_ranks(
     command: list[str], envs: list[dict[str, str]], logs: list[Any], timeout: float, cwd: str | None = None
 ) -> int | None:

@@ -33,11 +33,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import machine_description, save_report
+from bench_common import machine_description, save_report_and_table
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_async_pp.demos import GPT
@@ -249,13 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     report = run(args)
-    table = markdown(report)
-    print(table)
-    save_report(report, args.out)
-    target = args.markdown or (str(Path(args.out).with_suffix(".md")) if args.out else None)
-    if target:
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        Path(target).write_text(table + "\n")
+    save_report_and_table(report, markdown(report), args.out, args.markdown)
     return report
 
 

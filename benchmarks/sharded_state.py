@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import machine_description, save_report
+from bench_common import machine_description, save_report_and_table
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ("adamw", "muon", "corrected_adamw")
@@ -298,13 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         worker(args)
         return {}
     report = orchestrate(args)
-    table = markdown(report)
-    print(table)
-    save_report(report, args.out)
-    target = args.markdown or (str(Path(args.out).with_suffix(".md")) if args.out else None)
-    if target:
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        Path(target).write_text(table + "\n")
+    save_report_and_table(report, markdown(report), args.out, args.markdown)
     return report
 
 
