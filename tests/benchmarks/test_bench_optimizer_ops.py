@@ -26,6 +26,7 @@ def test_quick_writes_all_fields(tmp_path):
     # The batched step dispatches fewer operations than the per-matrix one, with or without the correction.
     for after, before in [("muon_matrices", "muon_matrices_per_matrix"), ("muon", "muon_per_matrix")]:
         assert 0 < ops[after] < ops[before]
+    assert ops["muon_gpu_batches"] <= ops["muon"] and ops["muon_matrices_gpu_batches"] <= ops["muon_matrices"]
     assert report["measured"]["ops_correction_on_adamw"] == ops["adamw_corrected"] - ops["adamw"] > 0
     for name in bench.MUON_TIMED + bench.ADAMW_TIMED:
         assert report["times"][name]["rounds"] == 2 and report["times"][name]["median_ms"] > 0
