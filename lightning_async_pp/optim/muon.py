@@ -132,7 +132,7 @@ def auto_ns_batch_bytes(device: torch.device) -> int:
     the device); 128 MiB keeps its temporaries at a few hundred MiB. A CPU runs the same arithmetic whichever
     the batch, but the batched step's memory-bound passes (stacking, and ``baddbmm`` copying its input into
     its output) run from the cache for a small batch and from memory for a large one: at 24 blocks of width
-    256, one batch per shape took 1.1-1.3x the per-matrix step's time and 4 MiB batches about the same.
+    256, one batch per shape took 1.2x the per-matrix step's time, 4 MiB batches 1.03-1.07x (on a shared machine).
 
     Args:
         device: The device of the matrices.
