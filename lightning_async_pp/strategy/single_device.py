@@ -4,7 +4,9 @@ A pipeline-ready module's batch is split into micro-batches, each one's loss com
 back-propagated on its own, in order, as a pipeline stage does: the gradients then accumulate in the same
 order and the two agree to the last bit. With ``"2bw"`` the gradient is taken on the previous weights
 (:class:`~lightning_async_pp.reference.delayed.DelayedWeights`) and the optimizer steps the current ones.
-It shares no code with the multi-process runtime.
+It shares with the multi-process runtime only what defines the model's computation and the batch's cut
+(``run_layers``, ``split_microbatches``, the recomputation helpers): no schedule, no weight versions, no
+transfers, so it is an independent check of those.
 """
 
 from __future__ import annotations
