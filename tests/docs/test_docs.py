@@ -332,3 +332,18 @@ def test_complete_config_is_the_quickstart_spelled_out():
             hours, minutes, seconds = map(int, str(shown).split(":"))
             shown = timedelta(hours=hours, minutes=minutes, seconds=seconds)
         assert shown == default, f"strategy.{name}: the complete config has {shown!r}, the default is {default!r}"
+
+
+def test_paths_of_tests_named_in_the_project_exist():
+    """A test file that a doc, a config or a comment points to is there (files move between tiers)."""
+    named = re.compile(r"\btests/[\w/]+\.py\b")
+    texts = [ROOT / "pyproject.toml", ROOT / "mkdocs.yml", ROOT / "Makefile", *PAGES]
+    texts += [*ROOT.glob("lightning_async_pp/**/*.py"), *ROOT.glob("docs/*.py"), *ROOT.glob("benchmarks/*.py")]
+    texts += [*ROOT.glob("scripts/*.py"), *ROOT.glob("tests/**/*.py")]
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in texts
+        for name in named.findall(path.read_text())
+        if not (ROOT / name).exists()
+    ]
+    assert not missing, f"stale test paths: {missing}"
