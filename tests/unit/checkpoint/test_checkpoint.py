@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import textwrap
@@ -115,17 +114,15 @@ def test_corrupt_shard_content_is_named(tmp_path):
         )
 
 
-def test_index_that_is_not_a_checkpoint_index_is_not_unpickled(tmp_path):
-    import pickle
+def test_crafted_index_is_not_unpickled_on_resume(tmp_path):
+    """A checkpoint folder whose index calls os.system through a dotted name, given as ``ckpt_path``."""
+    from tests.unit.checkpoint.test_safe_index import _crafted
 
-    path, _ = _single_device_checkpoint(tmp_path)
-
-    class Boom:
-        def __reduce__(self):
-            return (os.system, ("echo unpickled > " + str(tmp_path / "pwned"),))
-
-    (path / ".metadata").write_bytes(pickle.dumps(Boom()))
-    with pytest.raises(RuntimeError, match=r"index .*\.metadata is truncated or corrupt.*posix.system|os.system"):
+    path = tmp_path / "crafted.ckpt"
+    path.mkdir()
+    torch.save({}, path / "meta.pt")
+    (path / ".metadata").write_bytes(_crafted(tmp_path / "pwned")["dotted-filesystem-os"])
+    with pytest.raises(RuntimeError, match=r"Refused to read the checkpoint .*crafted\.ckpt.*refers to .*os\.system"):
         fit(
             tiny_gpt(n_layer=4),
             random_batches(4),
