@@ -12,7 +12,6 @@ The paths to remove come from ``ModelCheckpoint``'s state, which a resumed run r
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import shutil
@@ -35,6 +34,7 @@ from typing_extensions import override
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.checkpoint.layout import META_FILE, SHARD_KEY, is_sharded_checkpoint
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu, use_device
+from lightning_async_pp.files import fsync
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -127,7 +127,7 @@ class ShardedCheckpointIO(CheckpointIO):
             self.metadata_io.save_checkpoint(
                 checkpoint.get("meta"), partial / META_FILE, storage_options=storage_options
             )
-            _fsync(partial / META_FILE)
+            fsync(partial / META_FILE)
             _replace_directory(partial, path)
         self._barrier()
 
@@ -259,16 +259,6 @@ def _partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def _fsync(path: Path) -> None:
-    # Durability of a rename needs the data and the directory entry on disk; not every file system allows it.
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -299,4 +289,4 @@ def _replace_directory(source: Path, target: Path) -> None:
         os.rename(target, old)
         os.rename(source, target)
         shutil.rmtree(old)
-    _fsync(target.parent)
+    fsync(target.parent)
