@@ -8,9 +8,10 @@ What is trusted, and how each part of a checkpoint directory is read:
   ``TensorProperties``, ``MetadataIndex``, ``StorageMeta`` and ``_MEM_FORMAT_ENCODING`` of
   ``torch.distributed.checkpoint.metadata``, ``_StorageInfo`` of ``torch.distributed.checkpoint.filesystem``,
   ``torch.Size``, ``collections.OrderedDict``, ``set``, ``frozenset`` and paths, rebuilt as pure paths), torch's
-  dtypes and layouts by name, and nothing else: no dotted names, no functions. Only those classes are called,
-  and only their instances get state set, so unpickling runs no code but their constructors. The result must
-  be a ``Metadata`` whose shard files are plain names inside the checkpoint directory.
+  dtypes and layouts by name, and nothing else: no dotted names, no other functions. Only those classes are
+  called, and only their instances get state set, so the only code that unpickling runs is theirs
+  (constructors, ``__setstate__``) and torch's look-up of a layout by name. The result must be a ``Metadata``
+  whose shard files are plain names inside the checkpoint directory.
 * The tensors in the shards are read by DCP with ``torch.load(weights_only=True)``, other values (numbers,
   strings, random generator states) by :class:`SafeLoadPlanner` with ``torch.load(weights_only=True)``.
 * ``meta.pt`` (Lightning's loops, callbacks, hyperparameters) is read with ``weights_only=True``.
