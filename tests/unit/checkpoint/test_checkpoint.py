@@ -114,20 +114,24 @@ def test_corrupt_shard_content_is_named(tmp_path):
         )
 
 
-def test_crafted_index_is_not_unpickled_on_resume(tmp_path):
-    """A checkpoint folder whose index calls os.system through a dotted name, given as ``ckpt_path``."""
+@pytest.mark.parametrize("resume", ["path", "hpc"])
+def test_crafted_index_is_not_unpickled_on_resume(tmp_path, resume):
+    """A checkpoint folder whose index calls os.system through a dotted name, given as ``ckpt_path`` or planted
+    where SLURM's auto-resume looks (``hpc_ckpt_1.ckpt`` in the root folder, ``ckpt_path="hpc"``)."""
     from tests.unit.checkpoint.test_safe_index import _crafted
 
-    path = tmp_path / "crafted.ckpt"
+    path = tmp_path / "hpc_ckpt_1.ckpt"
     path.mkdir()
     torch.save({}, path / "meta.pt")
     (path / ".metadata").write_bytes(_crafted(tmp_path / "pwned")["dotted-filesystem-os"])
-    with pytest.raises(RuntimeError, match=r"Refused to read the checkpoint .*crafted\.ckpt.*refers to .*os\.system"):
+    refused = r"Refused to read the checkpoint .*hpc_ckpt_1\.ckpt.*refers to .*os\.system"
+    with pytest.raises(RuntimeError, match=refused):
         fit(
             tiny_gpt(n_layer=4),
             random_batches(4),
             strategy=AsyncPipelineStrategy(num_microbatches=2),
-            ckpt_path=str(path),
+            ckpt_path=str(path) if resume == "path" else "hpc",
+            default_root_dir=tmp_path,
         )
     assert not (tmp_path / "pwned").exists()
 
