@@ -77,7 +77,7 @@ def test_bad_sources_say_what_is_wrong(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"content": "no text field"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1 has no string field"):
         write_token_file([tmp_path / "bad.jsonl"], tmp_path / "out.bin")
-    assert not (tmp_path / "out.bin").exists() and not (tmp_path / ".out.bin.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no token file, no partial file
     with pytest.raises(FileNotFoundError, match="does not exist"):
         write_token_file([tmp_path / "missing.txt"], tmp_path / "out.bin")
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
