@@ -580,78 +580,98 @@ def plain(bench: Bench) -> Iterator[dict]:
     model.zero_grad(set_to_none=True)
 
 
-def _runtime_rows(bench: Bench, check: str, model, frames: Callable[[], dict] | None = None) -> Iterator[dict]:
-    """A 1-stage ``StageRuntime`` (2bw, then 1f1b; M = 4) on ``model``'s layers: tokens/s, against the plain loop
-    of the same micro-batches, and its host-device synchronisations per steady-state step."""
+def _stage_runtime(bench: Bench, model, kind: str, microbatches: int):
+    """A 1-stage ``StageRuntime`` on ``model``'s layers, as the strategy builds one, with its own fused AdamW."""
     from lightning_async_pp.runtime.stage import StageRuntime
 
-    microbatches = 4
-    for kind in ("2bw", "1f1b"):
-        runtime = StageRuntime(
-            kind=kind, stage=0, num_stages=1, num_microbatches=microbatches, layers=list(model.layers),
-            optimizer=bench.adamw(model.parameters()), inputs_fn=model.pipeline_inputs, loss_fn=model.pipeline_loss,
-            device=bench.device, forward_context=bench.autocast, time_actions=False,
-        )  # fmt: skip
-        syncs: list[int] = []
-        before = frames() if frames else None
+    return StageRuntime(
+        kind=kind, stage=0, num_stages=1, num_microbatches=microbatches, layers=list(model.layers),
+        optimizer=bench.adamw(model.parameters()), inputs_fn=model.pipeline_inputs, loss_fn=model.pipeline_loss,
+        device=bench.device, forward_context=bench.autocast, time_actions=False,
+    )  # fmt: skip
 
-        def step(index: int, batch: tuple, runtime=runtime) -> None:
+
+def runtime(bench: Bench) -> Iterator[dict]:
+    """A 1-stage runtime (2bw, then 1f1b; M = 4): tokens/s, against the plain loop of the same micro-batches, and
+    its host-device synchronisations per steady-state step."""
+    microbatches, model = 4, bench.model
+    for kind in ("2bw", "1f1b"):
+        stage = _stage_runtime(bench, model, kind, microbatches)
+        syncs: list[int] = []
+
+        def step(index: int, batch: tuple, stage=stage) -> None:
             if index < bench.size.warmup:
-                runtime.run_step(index, batch)
+                stage.run_step(index, batch)
                 return
             with _counting_syncs(bench.device) as counter:
-                runtime.run_step(index, batch)
+                stage.run_step(index, batch)
             syncs.append(counter["syncs"])
 
         seconds = bench.timed(step)
-        runtime.drain()
+        stage.drain()
         speed = bench.tokens_per_sec(seconds)
-        row = {"check": check, "schedule": kind, "stages": 1, "microbatches": microbatches, "tokens_per_sec": speed}
+        row = {"check": "runtime", "schedule": kind, "stages": 1, "microbatches": microbatches, "tokens_per_sec": speed}
         plain_speed = bench.plain_tokens_per_sec.get(microbatches)
         if plain_speed:
             row["vs_plain_microbatched"] = speed / plain_speed
-        row["syncs_per_step"] = max(syncs)
-        if frames:
-            row["dynamo_before_timed_steps"] = before
-            row["dynamo_after"] = frames()
-        yield row | {"ok": speed > 0}
-        del runtime, step
+        yield row | {"syncs_per_step": max(syncs), "ok": speed > 0}
+        del stage, step
         gc.collect()
         model.zero_grad(set_to_none=True)
 
 
-def runtime_eager(bench: Bench) -> Iterator[dict]:
-    for row in _runtime_rows(bench, "runtime", bench.model):
-        bench.runtime_tokens_per_sec[row["schedule"]] = row["tokens_per_sec"]
-        yield row
-
-
-def dynamo_counts() -> dict:
-    """Dynamo's frames compiled, unique graphs, recompilations and graph breaks so far in this process."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "frames": int(counters["frames"]["total"]),
-        "unique_graphs": int(counters["stats"]["unique_graphs"]),
-        "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
-        "graph_breaks": sum(counters["graph_break"].values()),
-    }
-
-
-def runtime_compiled(bench: Bench) -> Iterator[dict]:
-    """The runtime with the model's blocks compiled, against eager (the ``runtime`` check, when it ran)."""
+def runtime_compiled(bench: Bench, microbatches: int = 4, steps_per_round: int = 2) -> Iterator[dict]:
+    """The 1-stage runtime with its blocks compiled against the same runtime eager, in alternating rounds of
+    ``steps_per_round`` steps (eager, compiled, compiled, eager, ...), so that a change in the host's load hits
+    both: ``vs_eager`` is the median of the rounds' ratios. The warm-up steps (compilation) come first, then
+    dynamo's counts; a recompilation during the timed rounds shows in ``dynamo_at_end``."""
     from lightning_async_pp.models.compiling import compile_blocks
 
-    model = bench.model
-    compile_blocks(model.layers[1:-1], bench.compile_option)
-    eager = bench.runtime_tokens_per_sec
+    compiled_model = bench.gpt().to(bench.device)
+    compile_blocks(compiled_model.layers[1:-1], bench.compile_option)
+    models = {"eager": bench.model, "compiled": compiled_model}
+    rounds = max(1, bench.size.steps // steps_per_round)
+    batches = bench.batches
     try:
-        for row in _runtime_rows(bench, "runtime_compiled", model, dynamo_counts):
-            if row["schedule"] in eager:
-                row["vs_eager"] = row["tokens_per_sec"] / eager[row["schedule"]]
-            yield row | {"compile": bench.compile_option}
+        for kind in ("2bw", "1f1b"):
+            stages = {name: _stage_runtime(bench, model, kind, microbatches) for name, model in models.items()}
+            steps = dict.fromkeys(stages, 0)
+
+            def run(name: str, count: int, stages=stages, steps=steps) -> float:
+                bench.sync()
+                start = time.perf_counter()
+                for _ in range(count):
+                    stages[name].run_step(steps[name], batches[steps[name] % len(batches)])
+                    steps[name] += 1
+                bench.sync()
+                return time.perf_counter() - start
+
+            for name in stages:
+                run(name, bench.size.warmup)
+            after_warmup = bench_common.dynamo_counts()
+            seconds: dict[str, list[float]] = {name: [] for name in stages}
+            for index in range(rounds):
+                for name in ("eager", "compiled") if index % 2 == 0 else ("compiled", "eager"):
+                    seconds[name].append(run(name, steps_per_round))
+            for stage in stages.values():
+                stage.drain()
+            tokens = bench.size.batch * bench.size.seq * steps_per_round * rounds
+            speed = {name: tokens / sum(values) for name, values in seconds.items()}
+            ratios = [e / c for e, c in zip(seconds["eager"], seconds["compiled"])]
+            yield {
+                "check": "runtime_compiled", "schedule": kind, "stages": 1, "microbatches": microbatches,
+                "tokens_per_sec": speed["compiled"], "eager_tokens_per_sec": speed["eager"],
+                "vs_eager": statistics.median(ratios), "vs_eager_rounds": ratios, "compile": bench.compile_option,
+                "dynamo_after_warmup": after_warmup, "dynamo_at_end": bench_common.dynamo_counts(),
+                "ok": speed["compiled"] > 0,
+            }  # fmt: skip
+            del stages, run
+            gc.collect()
+            for model in models.values():
+                model.zero_grad(set_to_none=True)
     finally:
-        bench.release()  # its blocks stay compiled
+        del models, compiled_model
+        bench.release()
 
 
 class _StepClock:
@@ -862,7 +882,7 @@ def plan(
         "one_device": lambda: one_device(accelerator, tolerance),
         "no_sync": lambda: no_sync(device),
         "plain": measured(plain),
-        "runtime": measured(runtime_eager),
+        "runtime": measured(runtime),
         "runtime_compiled": measured(runtime_compiled),
         "lightning": measured(lightning),
         "mfu": measured(mfu),
