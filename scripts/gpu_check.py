@@ -7,8 +7,9 @@
 
 Each check prints its rows and rewrites ``--out`` (atomically: the file is a whole JSON report after every row,
 ``"finished": false`` until the end), so a run cut short keeps everything it measured. On one GPU the
-one-device checks below take about 3 minutes with their defaults, start-up included (sized for machines lent
-15 minutes in all: run it once, early). Exit status 1 if a check failed (a skipped check is not a failure).
+one-device checks below are sized to take under 4 minutes with their defaults, start-up included (an estimate
+from the step times an H200 gave, compilation the largest part; for machines lent 15 minutes in all: run it
+once, early). Exit status 1 if a check failed (a skipped check is not a failure).
 
 On a device machine the repository travels and the image has torch and Lightning (no jsonargparse, which
 nothing here imports): no ``carry`` is needed. Run it from the repository root as
