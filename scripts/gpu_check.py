@@ -812,30 +812,29 @@ def optimizers(bench: Bench) -> Iterator[dict]:
 
 
 def memory(bench: Bench) -> Iterator[dict]:
-    """Peak memory of a 1-stage 2bw runtime under bf16-mixed with fused AdamW, M = 4 and 8 (CUDA only)."""
-    from lightning_async_pp.runtime.stage import StageRuntime
-
+    """Peak memory of a 1-stage 2bw runtime under bf16-mixed with fused AdamW, M = 4 and 8 (CUDA only): the
+    model's weights, the second version, the optimizer's state, gradients and the activations in flight."""
     bench.release()
+    model = bench.model  # fresh: no optimizer state or gradients from an earlier check
     for microbatches in (4, 8):
-        model = bench.gpt().to(bench.device)
         if bench.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(bench.device)
-        runtime = StageRuntime(
-            kind="2bw", stage=0, num_stages=1, num_microbatches=microbatches, layers=list(model.layers),
-            optimizer=bench.adamw(model.parameters()), inputs_fn=model.pipeline_inputs, loss_fn=model.pipeline_loss,
-            device=bench.device, forward_context=bench.autocast, time_actions=False,
-        )  # fmt: skip
+        stage = _stage_runtime(bench, model, "2bw", microbatches)
         for index, batch in enumerate(bench.batches[:3]):
-            runtime.run_step(index, batch)
-        runtime.drain()
+            stage.run_step(index, batch)
+        stage.drain()
         bench.sync()
         peak = torch.cuda.max_memory_allocated(bench.device) / 2**30 if bench.device.type == "cuda" else None
         weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
         yield {"check": "memory", "schedule": "2bw", "stages": 1, "microbatches": microbatches,
                "sequences_per_microbatch": bench.size.batch // microbatches, "peak_gib": peak,
                "weights_gib": weights, "ok": True}  # fmt: skip
-        del runtime, model
-        bench.release()
+        del stage
+        gc.collect()
+        model.zero_grad(set_to_none=True)
+        if bench.device.type == "cuda":
+            torch.cuda.empty_cache()
+    bench.release()
 
 
 @dataclass(frozen=True)
