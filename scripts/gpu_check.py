@@ -582,13 +582,14 @@ def plain(bench: Bench) -> Iterator[dict]:
 
 
 def _stage_runtime(bench: Bench, model, kind: str, microbatches: int):
-    """A 1-stage ``StageRuntime`` on ``model``'s layers, as the strategy builds one, with its own fused AdamW."""
+    """A 1-stage ``StageRuntime`` on ``model``'s layers, as the strategy builds one with its defaults (every action
+    timed, finite losses checked), with its own fused AdamW."""
     from lightning_async_pp.runtime.stage import StageRuntime
 
     return StageRuntime(
         kind=kind, stage=0, num_stages=1, num_microbatches=microbatches, layers=list(model.layers),
         optimizer=bench.adamw(model.parameters()), inputs_fn=model.pipeline_inputs, loss_fn=model.pipeline_loss,
-        device=bench.device, forward_context=bench.autocast, time_actions=False,
+        device=bench.device, forward_context=bench.autocast,
     )  # fmt: skip
 
 
