@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -32,6 +32,7 @@ from lightning_async_pp.strategy.topology import check_process_count
 
 __all__ = [
     "check_arguments",
+    "check_datamodule",
     "check_pipeline_model",
     "check_train_loader",
     "check_trainer_settings",
@@ -97,13 +98,7 @@ def check_train_loader(
     if not isinstance(loader, DataLoader) or loader.batch_size is None or not isinstance(loader.dataset, Sized):
         return
     size = loader.batch_size
-    if num_microbatches is None:
-        num_microbatches = auto_num_microbatches(size, num_stages)
-    if size % num_microbatches:
-        raise ValueError(
-            f"The training DataLoader's batch_size={size} cannot be split into num_microbatches={num_microbatches} "
-            "equal micro-batches. Make the batch size a multiple of `num_microbatches`, or change `num_microbatches`."
-        )
+    num_microbatches = _check_batch_size(size, num_microbatches, num_stages, "The training DataLoader's")
     samples = math.ceil(len(loader.dataset) / replicas)
     last = samples % size
     batches = math.ceil(samples / size)
@@ -119,6 +114,43 @@ def check_train_loader(
             f"{size}), which num_microbatches={num_microbatches} cannot split into equal micro-batches. Set "
             "`DataLoader(drop_last=True)`, or use a dataset whose length is a multiple of the batch size."
         )
+
+
+def check_datamodule(datamodule: Any, num_microbatches: int | None, num_stages: int) -> None:
+    """Refuse a data module whose ``batch_size`` cannot be cut into equal micro-batches, before any process starts.
+
+    Its loaders exist only after ``setup`` in each process, so the batch size is taken where Lightning's batch size
+    finder takes it: the ``batch_size`` attribute (or hyperparameter) of the data module. One without it, or with a
+    value that is not an integer, is checked batch by batch in training.
+
+    Args:
+        datamodule: What ``fit`` got as ``datamodule``.
+        num_microbatches: Micro-batches per batch (``None``: ``"auto"``).
+        num_stages: Pipeline stages.
+    """
+    if datamodule is None:
+        return
+    size = getattr(datamodule, "batch_size", None)
+    hparams = getattr(datamodule, "hparams", None)
+    if size is None and isinstance(hparams, Mapping):
+        size = hparams.get("batch_size")
+    if is_int(size):
+        _check_batch_size(size, num_microbatches, num_stages, f"{type(datamodule).__name__}'s")
+
+
+def _check_batch_size(size: int, num_microbatches: int | None, num_stages: int, whose: str) -> int:
+    """Refuse a batch size that is not positive or that ``num_microbatches`` does not divide; returns the number of
+    micro-batches (``None``: ``"auto"``, chosen from ``size``)."""
+    if size < 1:
+        raise ValueError(f"{whose} batch_size={size} is not a positive number of samples: set a positive batch size.")
+    if num_microbatches is None:
+        num_microbatches = auto_num_microbatches(size, num_stages)
+    if size % num_microbatches:
+        raise ValueError(
+            f"{whose} batch_size={size} cannot be split into num_microbatches={num_microbatches} equal micro-batches. "
+            "Make the batch size a multiple of `num_microbatches`, or change `num_microbatches`."
+        )
+    return num_microbatches
 
 
 def check_pipeline_model(strategy: Any, module: LightningModule) -> None:
@@ -171,7 +203,11 @@ def _checked_launch(strategy: Any, launch: Callable, function: Callable, *args: 
     microbatches = None if strategy.auto_microbatches else strategy.num_microbatches
     limits = {} if trainer is None else {"max_steps": trainer.max_steps, "limit_batches": trainer.limit_train_batches}
     loader = _argument(function, "train_dataloaders", args, kwargs)
+    datamodule = _argument(function, "datamodule", args, kwargs)
+    if isinstance(loader, LightningDataModule):  # `fit(model, datamodule)`, which Lightning accepts
+        loader, datamodule = None, loader
     check_train_loader(loader, microbatches, strategy.num_stages, replicas, **limits)
+    check_datamodule(datamodule, microbatches, strategy.num_stages)
     ckpt_path = _argument(function, "ckpt_path", args, kwargs)
     if ckpt_path is not None:
         check_checkpoint_path(ckpt_path)

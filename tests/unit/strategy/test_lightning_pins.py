@@ -151,3 +151,17 @@ def test_scheduler_warning_reads_the_optimizer_flag():
 
     source = inspect.getsource(torch.optim.lr_scheduler.LRScheduler)
     assert '"_opt_called"' in source and "before `optimizer.step()`" in source
+
+
+def test_the_cli_reads_a_checkpoints_hyperparameters_between_parsing_and_building():
+    # lightning_async_pp.cli checks ckpt_path in parse_arguments and words the errors of _parse_ckpt_path.
+    from lightning.pytorch.cli import LightningCLI
+
+    source = inspect.getsource(LightningCLI.__init__)
+    order = [
+        source.index(call)
+        for call in ("self.parse_arguments(", "self._parse_ckpt_path()", "self.instantiate_classes()")
+    ]
+    assert order == sorted(order)
+    assert _parameters(LightningCLI._parse_ckpt_path) == ["self"]
+    assert "weights_only=True" in inspect.getsource(LightningCLI._parse_ckpt_path)
