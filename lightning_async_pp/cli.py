@@ -7,9 +7,10 @@
 
 Both forms behave alike: a ``class_path`` may name a module in the current folder (not under ``python -P``; the
 folder comes after the installed packages, so a file there cannot replace one), and the exit status is 0 after
-success and non-zero after an error. A ``--ckpt_path`` that is not a checkpoint is refused before anything is built. ``consolidate`` writes a sharded checkpoint as one file (and a
-Hugging Face model, trained through ``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder);
-``tokenize`` writes a token file for ``lightning_async_pp.models.TokenFileDataModule`` from local text.
+success and non-zero after an error. A ``--ckpt_path`` that is not a checkpoint is refused before anything is
+built. ``consolidate`` writes a sharded checkpoint as one file (and a Hugging Face model, trained through
+``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder); ``tokenize`` writes a token file for
+``lightning_async_pp.models.TokenFileDataModule`` from local text.
 """
 
 from __future__ import annotations
