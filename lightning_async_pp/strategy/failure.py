@@ -36,13 +36,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_async_pp.strategy.watchdog import PeerWatchdog
 
-__all__ = ["EXIT_GRACE_S", "FailureGuard", "abort_process_groups"]
+__all__ = ["EXIT_GRACE_S", "SELF_EXIT_S", "FailureGuard", "abort_process_groups"]
 
 EXIT_GRACE_S = 15.0
 """Seconds a failed rank's process may live after its teardown before it is ended."""
 ABORT_S = 10.0
 """Seconds the process groups' abort may take (NCCL's abort can hang) before the process exits anyway."""
 EXIT_CODE = 1
+SELF_EXIT_S = 45.0
+"""Seconds within which every rank of a failed job ends by itself: the report (at most 10 s, rank 0 holding the
+store until the others have read it), the abort of the groups (``ABORT_S``), then ``EXIT_GRACE_S``. A process of the
+job still running after that is stuck, and the launcher ends it."""
 
 
 class FailureGuard:

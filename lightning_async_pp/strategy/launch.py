@@ -10,9 +10,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
+import sys
+import time
 from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -26,6 +31,7 @@ from lightning_async_pp.runtime.microbatch import auto_num_microbatches
 from lightning_async_pp.runtime.recompute import select_layers
 from lightning_async_pp.schedule import SCHEDULES, validate
 from lightning_async_pp.schedule.ir import is_int
+from lightning_async_pp.strategy.failure import SELF_EXIT_S
 from lightning_async_pp.strategy.lifecycle import check_gradient_clipping_hook
 from lightning_async_pp.strategy.placement import check_timing_input, partition_layers
 from lightning_async_pp.strategy.topology import check_process_count
@@ -185,7 +191,7 @@ def configure_launcher(strategy: Any) -> _Launcher | None:
         return None
     if strategy.start_method == "popen":
         assert strategy.cluster_environment is not None
-        launcher = _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        launcher = _ScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     else:
         launcher = _SpawnLauncher(strategy, start_method=strategy.start_method)
     launcher.launch = functools.partial(_checked_launch, strategy, launcher.launch)
@@ -221,6 +227,45 @@ def _argument(function: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(name)
     except (TypeError, ValueError):
         return None
+
+
+class _ScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher of ``python -m ...`` children, watching them with :class:`_ChildWatch`."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        # Lightning's `launch`, with its watch over the children replaced.
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _ChildWatch(main_pid=os.getpid(), child_processes=self.procs).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class _ChildWatch(_ChildProcessObserver):
+    """Lightning's watch over the children SIGKILLs every process of the job (exit status 137) within seconds of a
+    child's non-zero exit, even when every rank is ending by itself after a clean refusal. This one waits
+    :data:`~lightning_async_pp.strategy.failure.SELF_EXIT_S` first: the ranks of a failed job say why and exit with
+    status 1 on their own (rank 0, which runs this thread, last: it hosts the store the others read the failure
+    from). Only if this process still runs after that is a rank stuck, and every process is ended."""
+
+    @override
+    def _run(self) -> bool:
+        codes = [process.poll() for process in self._child_processes]
+        if all(code == 0 for code in codes):
+            return True
+        failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code]
+        if not failed:
+            return False
+        time.sleep(SELF_EXIT_S)
+        rank, code = failed[0]
+        sys.stderr.write(
+            f"local rank {rank} exited with status {code} and local rank 0 is still running {SELF_EXIT_S:.0f} s "
+            "later: ending every process of the job.\n"
+        )
+        self._terminate_all()
+        return True
 
 
 class _SpawnLauncher(_MultiProcessingLauncher):
