@@ -18,6 +18,9 @@ draining: on gloo that fails fast, on NCCL the host blocks behind a receive that
   prints which stage failed or died, aborts the process groups and exits with status 1, even while the main
   thread is blocked in the device.
 
+The strategy's launcher of ``python -m ...`` children waits ``SELF_EXIT_S`` after a child's error before it ends
+the processes still running, so a job whose ranks all refused something ends with status 1, not killed.
+
 A ``SIGTERMException`` from :mod:`~lightning_async_pp.strategy.signals` is not a failure: every rank stops at
 the same step, so the drain is safe and the teardown normal.
 """
