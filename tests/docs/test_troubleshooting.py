@@ -7,7 +7,9 @@ any text (a path, the rest of the sentence). A new refusal gets an entry here an
 
 from __future__ import annotations
 
+import pickle
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -16,9 +18,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
+from lightning_async_pp.checkpoint import ShardedCheckpointIO
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path, check_compatible
+from lightning_async_pp.checkpoint.safe import read_index
 from lightning_async_pp.cli import unreadable_checkpoint_message
 from lightning_async_pp.demos import TextDataModule
+from lightning_async_pp.models.data import refuse_custom_code
+from lightning_async_pp.models.token_writer import write_token_file
 from lightning_async_pp.models.tokens import TokenWindows
 from lightning_async_pp.strategy.launch import check_datamodule, check_train_loader
 from tests.fixtures.helpers import ROOT
@@ -62,6 +68,44 @@ def _another_model(folder: Path) -> None:
     check_compatible(folder / "epoch=0-step=2.ckpt", {}, index, "2bw", {"w": (2,), "v": (1,)})
 
 
+def _crafted_index(folder: Path) -> None:
+    class System:  # pickles as a call of os.system, reached through a module DCP's index may name
+        def __reduce__(self):
+            return (eval, ("exit 0",))
+
+    payload = pickle.dumps(System(), protocol=0)
+    payload = payload.replace(b"c__builtin__\neval", b"ctorch.distributed.checkpoint.filesystem\nos.system")
+    assert b"os.system" in payload
+    (folder / "crafted.ckpt").mkdir()
+    (folder / "crafted.ckpt" / ".metadata").write_bytes(payload)
+    read_index(folder / "crafted.ckpt")
+
+
+def _removal_outside(folder: Path) -> None:
+    io = ShardedCheckpointIO()
+    torch.save({"x": 1}, folder / "kept.ckpt")
+    io.save_checkpoint({"x": torch.ones(1)}, folder / "run" / "saved.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        io.remove_checkpoint(folder / "run" / ".." / "kept.ckpt")
+
+
+def _tokens_over_their_source(folder: Path) -> None:
+    (folder / "corpus.txt").write_text("text")
+    write_token_file([folder / "corpus.txt"], folder / "corpus.txt")
+
+
+def _header_over_another_json(folder: Path) -> None:
+    (folder / "corpus.txt").write_text("text")
+    (folder / "train.json").write_text("{}")
+    write_token_file([folder / "corpus.txt"], folder / "train.bin")
+
+
+def _custom_code(folder: Path) -> None:
+    (folder / "config.json").write_text('{"auto_map": {"AutoConfig": "mine.Config"}}')
+    refuse_custom_code(folder / "config.json")
+
+
 REFUSALS: dict[str, Callable[[Path], None]] = {
     "ckpt_path missing": lambda folder: check_checkpoint_path(folder / "missing.ckpt"),
     "ckpt_path a plain folder": _plain_folder,
@@ -74,6 +118,12 @@ REFUSALS: dict[str, Callable[[Path], None]] = {
     ),
     "token id above the header": _understated_header,
     "checkpoint of another model": _another_model,
+    "crafted checkpoint index": _crafted_index,
+    "removal outside the checkpoint folder": _removal_outside,
+    "token file named .json": lambda folder: write_token_file("builtin", folder / "train.json"),
+    "token file over its source": _tokens_over_their_source,
+    "token header over another file": _header_over_another_json,
+    "model folder with code of its own": _custom_code,
 }
 
 
