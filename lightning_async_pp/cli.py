@@ -98,6 +98,14 @@ def unreadable_checkpoint_message(path: str, error: Exception) -> str:
     )
 
 
+DESCRIPTION = (
+    "Asynchronous pipeline-parallel training (lightning_async_pp) through LightningCLI: fit, validate, test and "
+    "predict below take a model, data and trainer config. Two more commands: 'consolidate CHECKPOINT_DIR OUT' "
+    "writes a sharded checkpoint as one file, and 'tokenize SOURCE... --out FILE' writes a token file; add "
+    "--help after either for its options."
+)
+
+
 class AsyncPipelineCLI(LightningCLI):
     """``LightningCLI`` whose model and data are given by ``class_path`` in the config.
 
@@ -236,6 +244,7 @@ def main(args: Sequence[str] | None = None) -> int:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION},
         args=list(args) if args is not None else None,
     )
     return 0

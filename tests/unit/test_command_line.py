@@ -135,3 +135,12 @@ def test_python_dash_p_keeps_the_current_folder_off_the_path(tmp_path):
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "cannot import class_path 'strayfile.Model' (No module named 'strayfile')" in result.stderr
+
+
+def test_help_names_the_commands_besides_lightnings(capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["--help"])
+    assert ended.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for command in ("fit", "consolidate CHECKPOINT_DIR OUT", "tokenize SOURCE... --out FILE"):
+        assert command in text, command
