@@ -573,9 +573,11 @@ def test_research_optimizers_match_reference(name, coefficient):
 
 class PerTensorReference:
     """The correction written out per parameter, with no multi-tensor arithmetic: the specification the
-    wrapper's grouped ``torch._foreach_*`` path must reproduce bit for bit."""
+    wrapper's grouped ``torch._foreach_*`` path must reproduce, bit for bit for a fixed coefficient. For
+    ``"auto"``, inner products and norms are taken directly in float64 and the correction is added to the weights
+    in one rounding. The state it keeps is the documented format."""
 
-    def __init__(self, base: torch.optim.Optimizer, coefficient: float) -> None:
+    def __init__(self, base: torch.optim.Optimizer, coefficient: float | str) -> None:
         self.base, self.coefficient = base, coefficient
 
     @torch.no_grad()
@@ -584,11 +586,22 @@ class PerTensorReference:
         before = [p.clone() for p in params]
         self.base.step()
         for param, snapshot in zip(params, before):
+            state = self.base.state[param]
             update = snapshot - param
-            previous = self.base.state[param].get("previous_update")
-            if previous is not None:
-                param.add_(previous - update, alpha=self.coefficient)
-            self.base.state[param]["previous_update"] = update
+            previous = state.get("previous_update")
+            if self.coefficient != "auto":
+                if previous is not None:
+                    param.add_(previous - update, alpha=self.coefficient)
+            elif previous is None:
+                state["lookahead"] = torch.zeros(())
+            else:
+                u, p = update.double(), previous.double()
+                a = 0.9 * float(state.get("update_alignment", 0.0)) + 0.1 * float((u * p).sum())
+                b = 0.9 * float(state.get("update_square", 0.0)) + 0.1 * float((p * p).sum())
+                c = min(max(a / b, 0.0), 1.0) if b > 0 else 0.0
+                param.copy_(param.double() + float(state.get("lookahead", 0.0)) * p - c * u)
+                state["lookahead"], state["update_alignment"], state["update_square"] = map(torch.tensor, (c, a, b))
+            state["previous_update"] = update
 
 
 MIXED = [
@@ -648,34 +661,6 @@ def test_grouped_path_equals_per_tensor_reference_bitwise(base, coefficient):
     assert not torch.equal(params[0], mixed_params()[0])
 
 
-class AutoPerTensorReference:
-    """``coefficient="auto"`` written out per parameter: inner products and norms taken directly in float64, the
-    correction added to the weights in one rounding. The state it keeps is the documented format."""
-
-    def __init__(self, base: torch.optim.Optimizer) -> None:
-        self.base = base
-
-    @torch.no_grad()
-    def step(self) -> None:
-        params = [p for group in self.base.param_groups for p in group["params"] if p.grad is not None]
-        before = [p.clone() for p in params]
-        self.base.step()
-        for param, snapshot in zip(params, before):
-            state = self.base.state[param]
-            update = snapshot - param
-            previous = state.get("previous_update")
-            if previous is None:
-                state["lookahead"] = torch.zeros(())
-            else:
-                u, p = update.double(), previous.double()
-                a = 0.9 * float(state.get("update_alignment", 0.0)) + 0.1 * float((u * p).sum())
-                b = 0.9 * float(state.get("update_square", 0.0)) + 0.1 * float((p * p).sum())
-                c = min(max(a / b, 0.0), 1.0) if b > 0 else 0.0
-                param.copy_(param.double() + float(state.get("lookahead", 0.0)) * p - c * u)
-                state["lookahead"], state["update_alignment"], state["update_square"] = map(torch.tensor, (c, a, b))
-            state["previous_update"] = update
-
-
 def two_groups_adamw(params):
     """Two groups with their own learning rate, betas and weight decay."""
     return torch.optim.AdamW(
@@ -699,8 +684,7 @@ def test_matches_per_tensor_reference_with_groups_schedules_and_a_reference_stat
     params, ref_params = mixed_params(), mixed_params()
     optimizer = DelayCorrected(two_groups_adamw(params), coefficient=coefficient)
     fixed = coefficient != "auto"
-    reference = PerTensorReference(two_groups_adamw(ref_params), 1.0) if fixed else None
-    reference = reference or AutoPerTensorReference(two_groups_adamw(ref_params))
+    reference = PerTensorReference(two_groups_adamw(ref_params), coefficient)
 
     def step(step_index):
         for opt in (optimizer, reference.base):
