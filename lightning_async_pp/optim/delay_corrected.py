@@ -207,8 +207,9 @@ class DelayCorrected(Optimizer):
 
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         # One multi-tensor op per device and dtype (a mixed list would fall back to one kernel per tensor). The
-        # snapshot is made out of place, so that one op allocates every parameter's copy: multiplying by 1 copies
-        # exactly. It becomes the parameter's new buffer, and the old buffer is released when the step ends.
+        # snapshot is made out of place, so that one op allocates every parameter's copy (multiplying by 1 copies
+        # exactly, unless `torch.set_flush_denormal` flushes subnormal weights). It becomes the parameter's new
+        # buffer, and the old one is released when the step ends.
         groups = _by_device_and_dtype(params)
         snapshots = [torch._foreach_mul(weights, 1.0) for weights in groups]
         self.base_optimizer.step()
