@@ -44,6 +44,7 @@ OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "muon": lambda params: Muon(params, lr=0.02, adamw_lr=1e-2, ns_dtype="float32"),
+    "corrected": lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)),
     "corrected_auto": lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2), coefficient="auto"),
 }
 
