@@ -31,11 +31,11 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
+from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.data import refuse_custom_code
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.contract import run_layers
-from lightning_async_pp.strategy.placement import MetaLayers
 
 try:
     from safetensors import safe_open

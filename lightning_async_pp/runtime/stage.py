@@ -127,7 +127,8 @@ class StageRuntime:
             :class:`FiniteCheck`.
         ties: Sums the gradients of parameters this stage shares with other stages (tied weights).
         shard_optimizer: Keep only this replica's part of the optimizer state (``data_group``'s replicas each own
-            whole tensors, see :mod:`~lightning_async_pp.runtime.sharding`).
+            whole tensors, see :mod:`~lightning_async_pp.runtime.sharding`); for per-parameter optimizers only
+            (:class:`~lightning_async_pp.runtime.updates.UpdateDriver`).
         observers: Called as ``fn(action, begin, end)`` after each action (see :meth:`add_observer`).
     """
 

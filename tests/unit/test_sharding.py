@@ -11,9 +11,10 @@ from lightning.pytorch import Callback, LightningModule
 from torch import nn
 
 from lightning_async_pp.optim import PER_PARAMETER_OPTIMIZERS, DelayCorrected, Muon, updates_per_parameter
-from lightning_async_pp.runtime.sharding import check_shardable, keep_owned, plan_owners
+from lightning_async_pp.runtime.sharding import keep_owned, plan_owners
 from lightning_async_pp.schedule import Op, step_actions, updates_settled_by
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step
+from lightning_async_pp.strategy.stage_runtime import check_shardable
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 8])
