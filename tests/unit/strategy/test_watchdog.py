@@ -155,9 +155,13 @@ def test_rank_0_holds_the_store_until_every_survivor_read_it(monkeypatch):
 
 
 def test_other_ranks_do_not_hold_the_store(monkeypatch):
+    """Only rank 0 waits for the others to read the store; rank 1 returns at once although nobody has read it."""
     _heartbeat(monkeypatch, {1: FINISHED, 2: FINISHED})
     dog, _, _ = _watchdog(dist.HashStore(), rank=1)
-    dog.hold_store(limit=1e6)  # returns at once: a hang here is the failure
+    holding = threading.Thread(target=dog.hold_store, kwargs={"limit": 60.0}, daemon=True)
+    holding.start()
+    holding.join(timeout=5.0)
+    assert not holding.is_alive(), "rank 1 waits for the other ranks to read the store, as only rank 0 should"
 
 
 def _job(store: dist.Store, drawn: list[torch.Tensor]) -> list[PeerWatchdog]:
