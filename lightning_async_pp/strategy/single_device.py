@@ -9,6 +9,8 @@ It shares no code with the multi-process runtime.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_async_pp.reference.delayed import DelayedWeights
+from lightning_async_pp.runtime.casts import WeightCasts, autocast_dtype
 from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipeline_module, run_layers
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
@@ -28,19 +31,48 @@ from lightning_async_pp.runtime.stage import check_finite_losses
 __all__ = ["SingleDevice", "microbatch_losses"]
 
 
-def microbatch_losses(module: LightningModule, batch: Any, num_microbatches: int) -> list[Tensor]:
-    """The loss of each of ``num_microbatches`` micro-batches of ``batch``, each through the whole model."""
+def microbatch_losses(
+    module: LightningModule,
+    batch: Any,
+    num_microbatches: int,
+    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> list[Tensor]:
+    """The loss of each of ``num_microbatches`` micro-batches of ``batch``, each through the whole model, each
+    forward inside ``around()``."""
     layers = module.pipeline_layers()
-    microbatches = split_microbatches(batch, num_microbatches)
-    return [module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb) for mb in microbatches]
+    losses = []
+    for mb in split_microbatches(batch, num_microbatches):
+        with around():
+            losses.append(module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb))
+    return losses
+
+
+def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callable[[], WeightCasts]:
+    """A factory of the context that gives the forwards of one call of :func:`microbatch_losses` one cast of
+    each weight autocast would cast (see :mod:`~lightning_async_pp.runtime.casts`), made at the first forward
+    of that call (each call is one step, with its own weights)."""
+    params = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    device_type = module.device.type
+    casts = WeightCasts(
+        module, list(params), autocast_dtype(precision_plugin.forward_context, device_type), device_type
+    )
+    calls = itertools.count()
+
+    def factory() -> Callable[[], WeightCasts]:
+        key = next(calls)
+        return lambda: casts(params, key)
+
+    return factory
 
 
 class SingleDevice:
     """Training state of the one-device path: the micro-batch losses awaiting their backward, and ``w[t-1]``."""
 
-    def __init__(self) -> None:
+    def __init__(self, cast_weights: bool = True) -> None:
         self.delayed: DelayedWeights | None = None
         self.losses: list[Tensor] | None = None
+        self.cast_weights = cast_weights
+        self._casts: Callable[[], Callable[[], WeightCasts]] | None = None
 
     def setup(self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any) -> None:
         """Check that ``module`` can be split into ``num_microbatches``; wrap its recomputed layers."""
@@ -49,14 +81,20 @@ class SingleDevice:
         if activation_checkpointing is not False:
             layers = list(module.pipeline_layers())
             checkpoint_layers(layers, select_layers(layers, activation_checkpointing))
+        self._casts = None  # built at the first step, on the module's device
 
     def training_step(
         self, module: LightningModule, batch: Any, num_microbatches: int, precision_plugin: Precision
     ) -> Tensor:
         """The batch's loss as the mean of its micro-batches' losses, logged as ``train/loss``; the micro-batch
         losses are kept for :meth:`backward`."""
+        around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        if self.cast_weights:
+            if self._casts is None:
+                self._casts = shared_casts(module, precision_plugin)
+            around = self._casts()
         with precision_plugin.train_step_context():
-            self.losses = microbatch_losses(module, batch, num_microbatches)
+            self.losses = microbatch_losses(module, batch, num_microbatches, around)
         losses = torch.stack([loss.detach() for loss in self.losses])
         check_finite_losses(losses, module.trainer.global_step, stage=0)
         loss = torch.stack(self.losses).mean()
