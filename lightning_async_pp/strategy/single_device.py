@@ -52,7 +52,7 @@ def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callab
     each weight autocast would cast (see :mod:`~lightning_async_pp.runtime.casts`), made at the first forward
     of that call (each call is one step, with its own weights)."""
     params = {name: p for name, p in module.named_parameters() if p.requires_grad}
-    device_type = module.device.type
+    device_type = next(iter(params.values())).device.type if params else "cpu"
     casts = WeightCasts(
         module, list(params), autocast_dtype(precision_plugin.forward_context, device_type), device_type
     )
