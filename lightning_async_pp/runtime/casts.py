@@ -14,8 +14,10 @@ as long as some in-flight micro-batch's graph keeps it, and no longer (not acros
 a step whose layers recompute).
 
 Which weights: those registered only as ``weight`` or ``bias`` of modules whose ``forward`` is exactly
-``nn.Linear.forward`` or ``nn.Conv{1,2,3}d.forward`` (not an override, not a layer wrapped for recomputation,
-whose cast would only add a copy for the length of the recompute), where autocast would cast them anyway.
+``nn.Linear.forward`` or ``nn.Conv{1,2,3}d.forward`` (not an override), where autocast would cast them anyway;
+not inside a layer wrapped for recomputation (a cast would only add a copy for the length of the recompute) or
+inside a compiled module (``torch.compile`` runs the hooks of the check below as it traced them, so the check
+cannot see the calls: such weights are cast per use, as before).
 A parameter registered in two such modules (tied within the stage) gets one cast per module, so that each
 use's gradient reaches float32 on its own, as today. The first training forward runs on the float32 weights
 and checks, per module, that it is called once and under autocast of the cast dtype; the others (a module
@@ -67,7 +69,11 @@ class WeightCasts:
     def __init__(self, module: nn.Module, names: Sequence[str], dtype: torch.dtype | None, device_type: str) -> None:
         self.dtype, self.device_type = dtype, device_type
         wanted = set(names)
-        recomputed = {id(m) for layer in module.modules() if is_checkpointed(layer) for m in layer.modules()}
+        # Recomputed layers would hold a cast only for their recompute; compiled ones run their submodules' hooks
+        # as traced at compile time, so the first forward's check cannot see their calls.
+        left_out = {
+            id(m) for layer in module.modules() if is_checkpointed(layer) or _compiled(layer) for m in layer.modules()
+        }
         # Every place each parameter is registered: castable only if each place is a casting module's own slot.
         places: dict[int, list[tuple[nn.Module, str]]] = {}
         names_of: dict[int, str] = {}
@@ -82,7 +88,7 @@ class WeightCasts:
             name = names_of.get(key)
             if dtype is None or name not in wanted:
                 continue
-            if all(_casts_itself(owner, local) and id(owner) not in recomputed for owner, local in registrations):
+            if all(_casts_itself(owner, local) and id(owner) not in left_out for owner, local in registrations):
                 self._slots.extend((owner, local, name) for owner, local in registrations)
         self._checked = not self._slots
         self._cache: dict[int, tuple[int, Tensor, int, weakref.ref]] = {}  # slot -> key, source, its _version, cast
@@ -161,6 +167,11 @@ def _autocast_casts(tensor: Tensor, dtype: torch.dtype, device_type: str) -> boo
     return (
         tensor.is_floating_point() and tensor.dtype not in (torch.float64, dtype) and tensor.device.type == device_type
     )
+
+
+def _compiled(module: nn.Module) -> bool:
+    # nn.Module.compile() in place, or the module torch.compile(module) returns
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
 
 
 def _casts_itself(owner: nn.Module, local: str) -> bool:

@@ -4,7 +4,7 @@ A pipeline-ready module's batch is split into micro-batches, each one's loss com
 back-propagated on its own, in order, as a pipeline stage does: the gradients then accumulate in the same
 order and the two agree to the last bit. With ``"2bw"`` the gradient is taken on the previous weights
 (:class:`~lightning_async_pp.reference.delayed.DelayedWeights`) and the optimizer steps the current ones.
-It shares no code with the multi-process runtime.
+It shares no scheduling or update code with the multi-process runtime.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def microbatch_losses(
     return losses
 
 
-def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callable[[], WeightCasts]:
+def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callable[[], Callable[[], WeightCasts]]:
     """A factory of the context that gives the forwards of one call of :func:`microbatch_losses` one cast of
     each weight autocast would cast (see :mod:`~lightning_async_pp.runtime.casts`), made at the first forward
     of that call (each call is one step, with its own weights)."""
@@ -68,10 +68,9 @@ def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callab
 class SingleDevice:
     """Training state of the one-device path: the micro-batch losses awaiting their backward, and ``w[t-1]``."""
 
-    def __init__(self, cast_weights: bool = True) -> None:
+    def __init__(self) -> None:
         self.delayed: DelayedWeights | None = None
         self.losses: list[Tensor] | None = None
-        self.cast_weights = cast_weights
         self._casts: Callable[[], Callable[[], WeightCasts]] | None = None
 
     def setup(self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any) -> None:
@@ -88,11 +87,9 @@ class SingleDevice:
     ) -> Tensor:
         """The batch's loss as the mean of its micro-batches' losses, logged as ``train/loss``; the micro-batch
         losses are kept for :meth:`backward`."""
-        around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        if self.cast_weights:
-            if self._casts is None:
-                self._casts = shared_casts(module, precision_plugin)
-            around = self._casts()
+        if self._casts is None:
+            self._casts = shared_casts(module, precision_plugin)
+        around = self._casts()  # the step's forwards share one cast of each weight
         with precision_plugin.train_step_context():
             self.losses = microbatch_losses(module, batch, num_microbatches, around)
         losses = torch.stack([loss.detach() for loss in self.losses])

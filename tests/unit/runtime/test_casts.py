@@ -223,6 +223,14 @@ def test_single_device_forwards_share_casts_and_keep_the_bits():
     assert casts.num_cast == CAST
 
 
+def test_compiled_modules_keep_their_float32_weights():
+    compiled, eager = TiedPair(), nn.Linear(H, H)
+    compiled.compile(backend="eager")  # lazy: nothing is traced here
+    model = nn.Sequential(compiled, eager, torch.compile(nn.Linear(H, H), backend="eager"))
+    casts = WeightCasts(model, [n for n, _ in model.named_parameters()], torch.bfloat16, "cpu")
+    assert casts.num_cast == 2  # the eager Linear's weight and bias
+
+
 def test_no_casts_without_autocast_or_gradients():
     layers = nn.Sequential(nn.Linear(H, H))
     assert autocast_dtype(lambda: torch.autocast("cpu", enabled=False), "cpu") is None
