@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the description of the machine a report was measured on, saving a report,
-starting a job's ranks, and reading the heap in use."""
+starting a job's ranks, reading the heap in use, and dynamo's compilation counts."""
 
 from __future__ import annotations
 
@@ -29,6 +29,18 @@ def machine_description() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+    }
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Dynamo's compiled frames, unique graphs, recompilations and graph breaks so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "frames": int(counters["frames"]["total"]),
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": sum(counters["recompiles"].values()),
+        "graph_breaks": sum(counters["graph_break"].values()),
     }
 
 

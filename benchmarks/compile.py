@@ -1,37 +1,46 @@
 """Step time of the demo GPT with its blocks compiled (``GPT(compile=True)``, inductor) against eager, on CPU.
 
 What is timed is what a 2BW stage computes in a step, on the quick start's model and batch by default: ``M``
-micro-batches, each forward through the layers with ``torch.func.functional_call`` on the buffer of the
-step's weight version (the two versions alternate, as they do in the runtime), the loss, the backward, then
-AdamW's step on the parameters. No processes, no Lightning: compilation changes compute, and this isolates
-it. Eager and compiled rounds are interleaved, so a change of machine load hits both alike; the first
-``--warmup`` rounds are reported apart. The compiled model's tracing and code generation happen before, in
-its first step, timed on its own (``first_step``); the blocks of both compiled models share those graphs.
+micro-batches, each forward through the layers with the buffer of the step's weight version in place of the
+parameters (:class:`~lightning_async_pp.runtime.versions_swap.ParameterSwap`, as the runtime does; the two versions
+alternate), the loss, the backward, then AdamW's step on the parameters; with ``--precision bf16-mixed`` the
+forward and the loss run under bfloat16 autocast, as Lightning's ``bf16-mixed`` does. No processes, no Lightning:
+compilation changes compute, and this isolates it. Eager and compiled rounds are interleaved, so a change of
+machine load hits both alike; the first ``--warmup`` rounds are reported apart. The compiled model's tracing and
+code generation happen before, in its first step, timed on its own (``first_step``); the blocks of both compiled
+models share those graphs.
+
+``host_us_per_block`` is what the host spends per block and micro-batch (forward and backward, the step's
+optimizer included) at width 16, where the computation is negligible: on a GPU, whose kernels run behind
+the host, the time the host needs per block to keep ahead of it.
 
 The report also gives the compiled model's largest difference from eager on the first step (loss and
-gradients, from identical weights: inductor's fused kernels reorder float sums) and dynamo's frame count
-after the warm-up and at the end (equal: no recompilation across the two weight versions).
+gradients, from identical weights: inductor's fused kernels reorder float sums) and dynamo's counts (frames,
+unique graphs, recompilations, graph breaks) after the warm-up and at the end (equal: no recompilation
+across the two weight versions).
 
     python benchmarks/compile.py --out benchmarks/results/compile/compile.json
+    python benchmarks/compile.py --n-layer 24 --precision bf16-mixed --out benchmarks/results/compile/compile_24.json
     python benchmarks/compile.py --quick          # a few rounds of a tiny model (the smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from bench_common import machine_description, save_report
+from bench_common import dynamo_counts, machine_description, save_report
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
-from torch.func import functional_call
 
 from lightning_async_pp.demos import GPT
 from lightning_async_pp.runtime.microbatch import split_microbatches
+from lightning_async_pp.runtime.versions_swap import ParameterSwap
 
 
 class Variant:
@@ -49,16 +58,23 @@ class Variant:
             {n: p.detach().clone().requires_grad_(True) for n, p in params.items()},
         ]
         self.params = params
+        self.swap = ParameterSwap(self.layers, params)
         self.optimizer = torch.optim.AdamW(params.values(), lr=1e-3)
+        self.bf16 = args.precision == "bf16-mixed"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
     def step(self, microbatches: list, version: int) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward and backward of every micro-batch on ``version``'s buffer, then the optimizer's step."""
         weights = self.buffers[version % 2]
         total = torch.zeros(())
         for x, y in microbatches:
-            logits = functional_call(self.layers, weights, (x,))
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(microbatches)
-            loss.backward()
+            with self.autocast(), self.swap(weights):
+                logits = self.layers(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(microbatches)
+            with self.swap(weights):  # a block that recomputes in backward reads the same version
+                loss.backward()
             total += loss.detach()
         grads = {n: t.grad for n, t in weights.items()}
         for name, param in self.params.items():
@@ -91,6 +107,23 @@ def first_step(args: argparse.Namespace, microbatches: list, compile_option: dic
     }
 
 
+def host_cost(args: argparse.Namespace, compile_option: dict, rounds: int = 20) -> dict[str, float]:
+    """Microseconds per block, forward and backward, of the same step at a size where the computation is
+    negligible (width 16, 4 tokens per micro-batch): what the host spends to issue a block's work, eager and
+    compiled (interleaved rounds, medians). On a GPU this is the time the host needs to keep ahead of it."""
+    tiny = argparse.Namespace(**{**vars(args), "n_embd": 16, "n_head": 2, "block_size": 4})
+    tokens = torch.randint(0, 256, (args.microbatches, tiny.block_size + 1))
+    microbatches = split_microbatches((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), args.microbatches)
+    variants = {"eager": Variant(tiny, False), "compiled": Variant(tiny, compile_option)}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(3 + rounds):
+        for name, variant in variants.items():
+            seconds = timed_step(variant, microbatches, version=round_)
+            if round_ >= 3:
+                samples[name].append(1e6 * seconds / (args.n_layer * args.microbatches))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
@@ -103,6 +136,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend")
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds after 2 warm-up rounds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -125,10 +159,10 @@ def main(argv=None) -> dict:
     variants = {"eager": Variant(args, False), "compiled": Variant(args, compile_option)}
     samples: dict[str, list[float]] = {name: [] for name in variants}
     warmup: dict[str, list[float]] = {name: [] for name in variants}
-    frames_after_warmup = None
+    counts_after_warmup = None
     for round_ in range(args.warmup + args.rounds):
         if round_ == args.warmup:
-            frames_after_warmup = int(counters["frames"]["total"])
+            counts_after_warmup = dynamo_counts()
         for name, variant in variants.items():
             seconds = timed_step(variant, microbatches, version=round_)
             (warmup if round_ < args.warmup else samples)[name].append(seconds)
@@ -143,8 +177,10 @@ def main(argv=None) -> dict:
         "speedup_paired": paired,
         "warmup_ms": {name: [1e3 * s for s in values] for name, values in warmup.items()},
         "first_step": first,
-        "dynamo_frames": {"after_warmup": frames_after_warmup, "end": int(counters["frames"]["total"])},
+        "dynamo": {"after_warmup": counts_after_warmup, "end": dynamo_counts()},
     }
+    # After the counts: the tiny model's new shapes compile once more.
+    report["host_us_per_block"] = host_cost(args, compile_option)
     print(
         f"step ({args.microbatches} micro-batches of {list(microbatches[0][0].shape)} tokens, {args.n_layer} blocks "
         f"of width {args.n_embd}, {args.threads} thread(s)): eager {report['step_ms']['eager']:.1f} ms, compiled "
@@ -153,8 +189,11 @@ def main(argv=None) -> dict:
     )
     print(
         f"first step vs eager: loss {first['loss_abs_diff']:.2e}, gradients {first['grad_abs_diff']:.2e} "
-        f"(largest gradient {first['grad_max_abs']:.2e}); dynamo frames {report['dynamo_frames']}"
+        f"(largest gradient {first['grad_max_abs']:.2e}); dynamo {report['dynamo']}"
     )
+    host = report["host_us_per_block"]
+    print(f"host time per block (forward and backward, width 16): eager {host['eager']:.0f} us, compiled "
+          f"{host['compiled']:.0f} us")  # fmt: skip
     save_report(report, args.out)
     return report
 

@@ -1,7 +1,7 @@
 """Generate docs/api.md, the API reference, from the package's docstrings.
 
     python docs/make_api.py            # rewrite docs/api.md
-    python docs/make_api.py --check    # exit 1 if docs/api.md is out of date (tests/test_docs.py does this)
+    python docs/make_api.py --check    # exit 1 if docs/api.md is out of date (tests/docs/test_docs.py does this)
 
 What is listed: every module of ``lightning_async_pp``; in each, the names of ``__all__`` or, without it, every
 class and function defined there whose name does not start with ``_``; for each class, its public methods and

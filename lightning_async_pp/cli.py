@@ -5,21 +5,24 @@
     python -m lightning_async_pp consolidate lightning_logs/version_0/checkpoints/last.ckpt model.ckpt
     python -m lightning_async_pp tokenize corpus/ --out data/train.bin --tokenizer my-tokenizer/
 
-Both forms behave alike: a ``class_path`` may name a module in the current folder, and the exit status is 0
-after success and non-zero after an error. ``consolidate`` writes a sharded checkpoint as one file (and a
-Hugging Face model, trained through ``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder);
-``tokenize`` writes a token file for ``lightning_async_pp.models.TokenFileDataModule`` from local text.
+Both forms behave alike: a ``class_path`` may name a module in the current folder (not under ``python -P``; the
+folder comes after the installed packages, so a file there cannot replace one), and the exit status is 0 after
+success and non-zero after an error. A ``--ckpt_path`` that is not a checkpoint is refused before anything is
+built. ``consolidate`` writes a sharded checkpoint as one file (and a Hugging Face model, trained through
+``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder); ``tokenize`` writes a token file for
+``lightning_async_pp.models.TokenFileDataModule`` from local text.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -27,6 +30,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_async_pp  # noqa: F401  (registers strategy="async_pp")
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY, ShardedCheckpointIO, consolidate
+from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 
 _CLASS_PATH_NOT_IMPORTABLE = re.compile(
     r'Parser key "(?P<key>[^"]+)".*?Problem with given class_path \'(?P<path>[^\']+)\':\s*'
@@ -68,12 +72,69 @@ class _Parser(LightningArgumentParser):
         sys.exit(2)
 
 
+def refuse(message: str) -> NoReturn:
+    """End the command with ``error: <message>`` on stderr and status 2, as an argument error does."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
+
+
+def unreadable_checkpoint_message(path: str, error: Exception) -> str:
+    """What to say when Lightning cannot read the hyperparameters of the checkpoint file ``path`` safely.
+
+    Torch's own message suggests loading with ``weights_only=False``, which runs whatever the file holds; this one
+    names what the safe load refused and what to give instead.
+    """
+    text = str(error)
+    _, found, rest = text.partition("WeightsUnpickler error:")
+    if found:  # the object the safe load refused: the first sentence after the marker, without torch's advice
+        reason = next((line.strip() for line in rest.splitlines() if line.strip()), "").split(". ")[0].rstrip(".")
+        what = f"holds objects that a safe load (torch.load with weights_only=True) does not read ({reason})"
+    else:
+        what = f"could not be read ({type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''})"
+    return (
+        f"ckpt_path={path!r} {what}. Resume from a checkpoint this strategy wrote (a directory holding "
+        "`.metadata`), or from a file written by `python -m lightning_async_pp consolidate`; both hold only "
+        "tensors and plain values."
+    )
+
+
+DESCRIPTION = (
+    "Asynchronous pipeline-parallel training (lightning_async_pp) through LightningCLI: fit, validate, test and "
+    "predict below take a model, data and trainer config. Two more commands: 'consolidate CHECKPOINT_DIR OUT' "
+    "writes a sharded checkpoint as one file, and 'tokenize SOURCE... --out FILE' writes a token file; add "
+    "--help after either for its options."
+)
+
+
 class AsyncPipelineCLI(LightningCLI):
-    """``LightningCLI`` whose model and data are given by ``class_path`` in the config."""
+    """``LightningCLI`` whose model and data are given by ``class_path`` in the config.
+
+    A ``ckpt_path`` that is not a checkpoint is refused before anything is built (Lightning reads a checkpoint
+    file's hyperparameters right after parsing, before the trainer and the strategy's own checks exist).
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("parser_class", _Parser)
         super().__init__(*args, **kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        path = self._ckpt_path()
+        if path is not None:
+            try:
+                check_checkpoint_path(path)
+            except (OSError, ValueError) as error:
+                refuse(str(error))
+
+    def _parse_ckpt_path(self) -> None:
+        try:
+            super()._parse_ckpt_path()
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+            refuse(unreadable_checkpoint_message(str(self._ckpt_path()), error))
+
+    def _ckpt_path(self) -> str | None:
+        subcommand = self.config.get("subcommand")
+        return self.config[subcommand].get("ckpt_path") if subcommand else None
 
     def after_fit(self) -> None:
         logger = self.trainer.logger
@@ -84,12 +145,26 @@ class AsyncPipelineCLI(LightningCLI):
             )
 
 
+def importable_path(path: Sequence[str], cwd: str, safe_path: bool) -> list[str]:
+    """``sys.path`` with the current folder ``cwd`` on it, so that a ``class_path`` may name a file there.
+
+    ``python -m`` already puts the folder first; a console script puts its own folder (the environment's ``bin/``)
+    there instead, and then the folder is appended, after the installed packages, so that a stray file named like
+    one of them (``torch.py``, ``safetensors.py``) does not replace it. Under ``python -P`` (``safe_path``) the
+    folder is not added at all.
+    """
+    path = list(path)
+    if safe_path or any(os.path.abspath(entry or os.curdir) == cwd for entry in path):
+        return path
+    return [*path, cwd]
+
+
 def _current_folder_importable() -> None:
-    # `python -m` puts the current folder first on sys.path; a console script puts its own folder (the
-    # environment's bin/) there instead. Both must find a model in a file next to where they are run.
-    cwd = os.getcwd()
-    if not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
-        sys.path.insert(0, cwd)
+    sys.path[:] = importable_path(sys.path, os.getcwd(), bool(sys.flags.safe_path))
+    if sys.flags.safe_path:
+        # Lightning starts the other ranks as `python -m ...` without this interpreter's flags: the environment
+        # carries -P to them.
+        os.environ["PYTHONSAFEPATH"] = "1"
 
 
 def default_pretrained_dir(out: str | os.PathLike) -> Path:
@@ -169,6 +244,7 @@ def main(args: Sequence[str] | None = None) -> int:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION},
         args=list(args) if args is not None else None,
     )
     return 0

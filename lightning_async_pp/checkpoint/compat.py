@@ -11,7 +11,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_async_pp.checkpoint.layout import META_FILE, MODEL_PREFIX
+from lightning_async_pp.checkpoint.layout import META_FILE, MODEL_PREFIX, is_sharded_checkpoint
 
 _PICKLE_PROTOCOL_2_OR_LATER = b"\x80"  # how torch's legacy (non-zip) format and any modern pickle begin
 
@@ -24,21 +24,40 @@ LAYOUT = (
 """What a checkpoint looks like, for messages about a path that is not one."""
 
 
-def check_checkpoint_path(path: _PATH) -> None:
-    """Refuse a ``ckpt_path`` that is a file but not a ``torch.save`` file, saying what a checkpoint looks like.
+_LIGHTNING_NAMES = ("best", "last", "hpc", "registry")
+"""``ckpt_path`` values Lightning resolves itself, in every process (``registry:<name>`` too)."""
 
-    Only the first bytes are read, so it is cheap enough to run in the main process before any other starts.
-    Directories (sharded checkpoints) and paths that do not exist are left to the loader's own messages.
+
+def check_checkpoint_path(path: _PATH) -> None:
+    """Refuse a ``ckpt_path`` that is not a checkpoint, saying what a checkpoint looks like: a path that does not
+    exist, a directory without DCP's index (``.metadata``), or a file that no ``torch.save`` wrote.
+
+    Only the first bytes of a file are read, so it is cheap enough to run in the main process before any other
+    starts. Lightning's names (``"last"``, ``"best"``, ``"hpc"``, ``"registry..."``) and URLs are left to Lightning.
 
     Args:
         path: The ``ckpt_path`` given to ``fit``, ``validate``, ``test`` or ``predict``.
 
     Raises:
-        ValueError: If ``path`` is a file that neither ``torch.save`` format could have written.
+        FileNotFoundError: If ``path`` does not exist.
+        ValueError: If ``path`` is a directory that is not a checkpoint of this strategy, or a file that neither
+            ``torch.save`` format could have written.
     """
-    path = Path(path)
-    if not path.is_file():
+    text = str(path)
+    if text.lower() in _LIGHTNING_NAMES or text.lower().startswith("registry:") or "://" in text:
         return
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"ckpt_path={text!r} does not exist. Give the path of a saved checkpoint (ModelCheckpoint writes them "
+            "into the `checkpoints/` folder of the run's log directory), or leave ckpt_path unset to start anew."
+        )
+    if path.is_dir():
+        if is_sharded_checkpoint(path):
+            return
+        raise ValueError(
+            f"ckpt_path={text!r} is a directory without `.metadata`: not a checkpoint of this strategy. {LAYOUT}"
+        )
     with open(path, "rb") as file:
         start = file.read(1)
     if zipfile.is_zipfile(path):
@@ -47,7 +66,7 @@ def check_checkpoint_path(path: _PATH) -> None:
                 return
     elif start == _PICKLE_PROTOCOL_2_OR_LATER:
         return
-    raise ValueError(f"ckpt_path={str(path)!r} is not a checkpoint of this strategy (nor a torch.save file). {LAYOUT}")
+    raise ValueError(f"ckpt_path={text!r} is not a checkpoint of this strategy (nor a torch.save file). {LAYOUT}")
 
 
 def check_compatible(

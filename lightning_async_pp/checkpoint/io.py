@@ -4,15 +4,19 @@ committed atomically.
 Writes are atomic per checkpoint: the ranks write into a hidden sibling directory, and rank 0 renames it to
 the checkpoint's name once every shard and ``meta.pt`` are on disk. A save killed midway leaves only the
 hidden directory (removed by the next save to that name), never a checkpoint that looks complete.
+
+Removal deletes only checkpoints: paths that, with symbolic links and ``..`` resolved, lie directly in a folder
+this IO has written a checkpoint into, and hold a checkpoint (see :meth:`ShardedCheckpointIO.remove_checkpoint`).
+The paths to remove come from ``ModelCheckpoint``'s state, which a resumed run reads from the checkpoint itself.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,8 +31,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from typing_extensions import override
 
+from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.checkpoint.layout import META_FILE, SHARD_KEY, is_sharded_checkpoint
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu, use_device
+from lightning_async_pp.files import fsync
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -63,6 +69,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self.last_save_blocking_seconds: float | None = None
         """How long the last :meth:`save_checkpoint` held its caller."""
+        self._folders: set[Path] = set()  # resolved folders saved into: the only ones removal deletes in
+        self._urls: set[str] = set()  # remote single-file checkpoints saved by this IO
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
@@ -74,6 +82,7 @@ class ShardedCheckpointIO(CheckpointIO):
             path: The checkpoint directory (or file, for a plain state dict).
             storage_options: Passed on to ``metadata_io``.
         """
+        self._saved_to(path)
         if not checkpoint.get(SHARD_KEY):
             self.metadata_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
@@ -118,7 +127,7 @@ class ShardedCheckpointIO(CheckpointIO):
             self.metadata_io.save_checkpoint(
                 checkpoint.get("meta"), partial / META_FILE, storage_options=storage_options
             )
-            _fsync(partial / META_FILE)
+            fsync(partial / META_FILE)
             _replace_directory(partial, path)
         self._barrier()
 
@@ -154,20 +163,60 @@ class ShardedCheckpointIO(CheckpointIO):
                 "intact."
             ) from error
 
+    def _saved_to(self, path: _PATH) -> None:
+        if "://" in str(path):
+            self._urls.add(str(path))
+        else:
+            self._folders.add(Path(path).absolute().parent.resolve())
+
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Remove a checkpoint; after the pending asynchronous save, which may be the one writing it."""
+        """Remove a checkpoint; after the pending asynchronous save, which may be the one writing it.
+
+        Only a checkpoint is removed: ``path``, with symbolic links and ``..`` resolved, must lie directly in a
+        folder this IO has saved a checkpoint into (``ModelCheckpoint``'s ``dirpath``: it saves before it removes),
+        and be a checkpoint directory of this strategy (``.metadata`` and ``meta.pt``) or a ``torch.save`` file. A
+        symbolic link there (``save_last="link"``) is removed itself, never what it points to. Anything else is
+        left in place with a warning that says why: a resumed run reads the paths to remove from the checkpoint.
+        """
         pending = self._pending
         if pending is not None and not pending.done():
-            pending.add_done_callback(lambda _: self._remove(Path(path)))
+            pending.add_done_callback(lambda _: self._remove(path))
         else:
-            self._remove(Path(path))
+            self._remove(path)
 
-    def _remove(self, path: Path) -> None:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+    def _remove(self, path: _PATH) -> None:
+        if "://" in str(path):
+            if str(path) in self._urls:
+                self.metadata_io.remove_checkpoint(path)
+            else:
+                _refuse(path, "this run did not save it")
+            return
+        path = Path(path).absolute()
+        if not os.path.lexists(path):
+            return
+        if path.is_symlink():
+            folder = path.parent.resolve()
+            if folder in self._folders:
+                path.unlink()  # the link only
+            else:
+                _refuse(path, f"it is a link in {folder}, a folder this run has not saved a checkpoint into")
+            return
+        target = path.resolve()
+        if target.parent not in self._folders:
+            _refuse(path, f"it is {target}, outside the folders this run saves checkpoints into")
+        elif target.is_dir():
+            if is_sharded_checkpoint(target) and (target / META_FILE).is_file():
+                shutil.rmtree(target)
+            else:
+                _refuse(path, f"the directory {target} is not a checkpoint (no .metadata and {META_FILE})")
         else:
-            self.metadata_io.remove_checkpoint(path)
+            try:
+                check_checkpoint_path(target)
+            except ValueError:
+                _refuse(path, f"{target} is not a torch.save file")
+                return
+            self.metadata_io.remove_checkpoint(target)
 
     @override
     def teardown(self) -> None:
@@ -182,6 +231,15 @@ class ShardedCheckpointIO(CheckpointIO):
     def _barrier(self) -> None:
         if self.process_group is not None:
             dist.barrier(group=self.process_group)
+
+
+def _refuse(path: _PATH, reason: str) -> None:
+    warnings.warn(
+        f"Did not remove {path}: {reason}. Only checkpoints in the folders this run saves checkpoints into are "
+        "removed; a path that ModelCheckpoint read from a resumed checkpoint (best_k_models, last_model_path) "
+        "and that points elsewhere is left in place.",
+        stacklevel=2,
+    )
 
 
 def _prepare(path: Path, partial: Path) -> None:
@@ -199,16 +257,6 @@ def _rank(group: Any) -> int:
 def _partial_path(path: Path) -> Path:
     # Hidden and without the `.ckpt` suffix: never taken for a checkpoint, nor for `last`.
     return path.with_name(f".{path.name}.partial")
-
-
-def _fsync(path: Path) -> None:
-    # Durability of a rename needs the data and the directory entry on disk; not every file system allows it.
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 _RENAME_EXCHANGE = 2
@@ -241,4 +289,4 @@ def _replace_directory(source: Path, target: Path) -> None:
         os.rename(target, old)
         os.rename(source, target)
         shutil.rmtree(old)
-    _fsync(target.parent)
+    fsync(target.parent)

@@ -3,6 +3,7 @@ of a local tokenizer, split by position into training and validation text."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,29 @@ def local_tokenizer(folder: str | Path, byte_vocab_size: int = 256) -> Any:
             f"`tokenizer` must be a local folder written by `tokenizer.save_pretrained`; {folder} does not exist. "
             f"Leave it unset for byte-level tokens (vocab_size {byte_vocab_size})."
         )
+    refuse_custom_code(folder / "tokenizer_config.json")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def refuse_custom_code(file: Path) -> None:
+    """Refuse a ``transformers`` folder whose ``file`` (``config.json``, ``tokenizer_config.json``) names Python
+    code of its own (``auto_map``): folders are loaded with ``trust_remote_code=False``, and this says so first.
+
+    Raises:
+        ValueError: If ``file`` has an ``auto_map``.
+    """
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # missing or unreadable: transformers' own error names it
+    if isinstance(fields, dict) and fields.get("auto_map"):
+        raise ValueError(
+            f"{file} names Python code of its own (auto_map: {fields['auto_map']}), which lightning_async_pp does "
+            "not run: Hugging Face folders are loaded with trust_remote_code=False. Use a model and tokenizer that "
+            "transformers implements itself."
+        )
 
 
 def tokenize(text: bytes, tokenizer: str | None) -> tuple[Tensor, int]:

@@ -31,10 +31,11 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
+from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
+from lightning_async_pp.models.data import refuse_custom_code
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.contract import run_layers
-from lightning_async_pp.strategy.placement import MetaLayers
 
 try:
     from safetensors import safe_open
@@ -355,13 +356,21 @@ class CausalLM(LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         overrides = dict(config or {})
+        if "trust_remote_code" in overrides:
+            raise ValueError(
+                "`config` cannot set trust_remote_code: lightning_async_pp runs no code from a model folder, only the "
+                "models transformers implements itself."
+            )
         if pretrained is not None:
             folder = Path(pretrained).expanduser()
             if not (folder / "config.json").is_file():
                 raise FileNotFoundError(
                     f"`pretrained` must be a local folder written by save_pretrained; {folder} has no config.json."
                 )
-            hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True, **overrides)
+            refuse_custom_code(folder / "config.json")
+            hf_config = AutoConfig.from_pretrained(
+                str(folder), local_files_only=True, **overrides, trust_remote_code=False
+            )
             self.checkpoint: SafetensorsFolder | None = SafetensorsFolder(folder)
         else:
             hf_config = AutoConfig.for_model(model_type, **overrides)
@@ -369,7 +378,9 @@ class CausalLM(LightningModule):
         _refuse_unsupported(hf_config)
         hf_config._attn_implementation = attn_implementation
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+            model = AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation=attn_implementation, trust_remote_code=False
+            )
         model.train()
         # The `transformers` model is kept outside the module tree: its modules live on in the pipeline layers,
         # which are the only registered owners of the parameters (a stage drops the layers it does not run).
@@ -565,7 +576,7 @@ def save_pretrained(checkpoint: Mapping[str, Any], folder: str | Path) -> Path:
     settings = json.loads(info["config"])
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     weights: dict[str, Tensor] = {}
     for name, tensor in checkpoint["state_dict"].items():
         for hf_name in info["names"].get(name, ()):

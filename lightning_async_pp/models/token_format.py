@@ -109,3 +109,19 @@ class TokenFileInfo:
                 f"{self.max_token_id}), but the model's vocab_size is {model_vocab_size}. Set the model's "
                 f"vocab_size to at least {needed}, or write the file with the model's tokenizer."
             )
+
+    def check_ids(self, tokens: np.ndarray, offset: int, path: str | os.PathLike) -> None:
+        """Refuse ``tokens``, read from token ``offset`` of the file ``path``, if one is above ``max_token_id``.
+
+        The header's vocabulary is what :meth:`check_vocab` holds against the model's; an id past it would reach
+        past the embedding (an ``IndexError``, a device-side assert on CUDA) steps into training.
+        """
+        if not len(tokens) or int(tokens.max()) <= self.max_token_id:
+            return
+        first = int(np.flatnonzero(tokens > self.max_token_id)[0])
+        raise ValueError(
+            f"Token file {path} holds id {int(tokens[first]):,} at token {offset + first:,}, above the largest id "
+            f"its header {header_path(path)} gives (max_token_id {self.max_token_id:,}, vocab_size "
+            f"{self.vocab_size:,}): the header belongs to another file or was edited. Write both again with "
+            f"`python -m lightning_async_pp tokenize SOURCE... --out {path}`."
+        )

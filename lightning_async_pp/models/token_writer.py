@@ -21,7 +21,7 @@ import numpy as np
 
 from lightning_async_pp.files import atomic_path
 from lightning_async_pp.models.data import TEXT_SUFFIXES, local_tokenizer
-from lightning_async_pp.models.token_format import DTYPES, TokenFileInfo, header_path, smallest_dtype
+from lightning_async_pp.models.token_format import DTYPES, FORMAT, TokenFileInfo, header_path, smallest_dtype
 
 JSONL_SUFFIXES = (".jsonl",)
 BUILTIN = "builtin"
@@ -144,7 +144,14 @@ def write_token_file(
 
     Returns:
         The header written.
+
+    Raises:
+        ValueError: If ``out`` ends in ``.json`` (its header's name), or it or its header is one of the sources.
+        FileExistsError: If a file that is not a token file's header is where the header goes.
     """
+    if sources != BUILTIN:
+        sources = source_files([sources] if isinstance(sources, str | os.PathLike) else sources)
+    _check_out(sources, out)
     encoder = byte_encoder() if tokenizer is None else tokenizer_encoder(tokenizer)
     dtype = dtype or smallest_dtype(encoder.vocab_size)
     if dtype not in DTYPES:
@@ -170,6 +177,42 @@ def write_token_file(
     info = TokenFileInfo(dtype, num_tokens, encoder.vocab_size, max_id, encoder.eos_token_id, documents, encoder.name)
     info.write(out)
     return info
+
+
+def _check_out(sources: Sequence[Path] | str, out: str | os.PathLike) -> None:
+    """Refuse an ``out`` whose writing would replace something other than a token file and its header.
+
+    Args:
+        sources: The source files (:func:`source_files`), or ``"builtin"``.
+        out: The token file to write.
+    """
+    out = Path(out)
+    header = header_path(out)
+    if out.suffix.lower() == ".json":
+        raise ValueError(
+            f"The token file cannot be {out}: its header is written next to it under the same name with the suffix "
+            f".json, which would replace the tokens. Name the token file e.g. {out.with_suffix('.bin')}."
+        )
+    for written, what in ((out, "the token file"), (header, "its header")):
+        for source in [] if sources == BUILTIN else sources:
+            if written.exists() and os.path.samefile(written, source):
+                raise ValueError(
+                    f"{written} is one of the sources, and writing {what} there would replace it. Write the token "
+                    "file elsewhere."
+                )
+    if header.exists() and not _is_token_header(header):
+        raise FileExistsError(
+            f"{header} exists and is not the header of a token file; writing the token file {out} would replace it "
+            f"with its header. Move {header}, or give the token file another name."
+        )
+
+
+def _is_token_header(path: Path) -> bool:
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(fields, dict) and fields.get("format") == FORMAT
 
 
 def _batches(stream: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:

@@ -63,6 +63,7 @@ class TokenWindows(Dataset):
         if batch_format not in ("input_ids", "pairs"):
             raise ValueError(f"`batch_format` must be 'input_ids' or 'pairs', got {batch_format!r}.")
         self.path = Path(path)
+        self.info = info
         self.dtype = np.dtype(info.dtype)
         self.block_size = block_size
         self.begin = begin
@@ -88,7 +89,11 @@ class TokenWindows(Dataset):
         return {"input_ids": window}
 
     def read(self, offset: int, count: int) -> np.ndarray:
-        """``count`` tokens from token ``offset`` of the file, copied out of the map as ``int64``."""
+        """``count`` tokens from token ``offset`` of the file, copied out of the map as ``int64``.
+
+        Raises:
+            ValueError: If one is above the header's ``max_token_id``.
+        """
         if self._map is None:
             with open(self.path, "rb") as file:
                 self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -96,7 +101,11 @@ class TokenWindows(Dataset):
                 # Windows are read at random: reading ahead of each would read ~128 KiB from disk per window.
                 self._map.madvise(mmap.MADV_RANDOM)
         lo, hi = offset * self.dtype.itemsize, (offset + count) * self.dtype.itemsize
-        tokens = np.frombuffer(self._map, dtype=self.dtype, count=count, offset=lo).astype(np.int64)
+        raw = np.frombuffer(self._map, dtype=self.dtype, count=count, offset=lo)
+        # One max over the window, which is being copied anyway: a header that understates the ids stops here,
+        # with the file and the offset, not as an index error in the embedding.
+        self.info.check_ids(raw, offset, self.path)
+        tokens = raw.astype(np.int64)
         if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             # A page fault maps the cached pages around it too ("fault-around", up to the 2 MiB that one page
             # table covers), so drop the whole 2 MiB-aligned span, not only the window's own pages.

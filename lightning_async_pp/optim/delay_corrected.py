@@ -53,8 +53,11 @@ class DelayCorrected(Optimizer):
     per-parameter state under ``"previous_update"`` and is part of :meth:`state_dict`.
 
     Memory: one parameter-sized buffer per parameter (:math:`u_{t-1}`) between steps. During a step, a copy of
-    the weights taken before the base optimizer's step (one block per device and dtype), freed when the step
-    ends; on a parameter's first step its copy becomes its buffer.
+    the weights taken before the base optimizer's step; it becomes the parameter's buffer (holding :math:`u_t`)
+    and the old buffer is released, so no parameter-sized tensor outlives the step besides the one buffer.
+    Around the base optimizer's step the correction makes a fixed number of multi-tensor operations per device
+    and dtype, whatever the number of parameters: four with a fixed ``coefficient`` (a copy of the weights, then
+    :math:`u_t`, :math:`u_{t-1} - u_t` and the weights), about twenty-five with ``"auto"``.
 
     Two forms:
 
@@ -202,107 +205,100 @@ class DelayCorrected(Optimizer):
             self.base_optimizer.step()
             return loss
 
-        continuing, previous, first = [], [], []
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                buffer = self.state[param].get(STATE_KEY)
-                if buffer is None:
-                    first.append(param)
-                else:
-                    continuing.append(param)
-                    previous.append(buffer)
-        # On a parameter's first step its snapshot becomes its buffer; afterwards snapshots are temporary.
-        first_updates = [p.clone() for p in first]
-        updates = _empty_like_in_one_block(continuing)
-        # One multi-tensor kernel per device and dtype (a mixed list would fall back to one kernel per tensor).
-        grouped = _by_device_and_dtype(continuing, previous, updates)
-        for weights, _, snapshots in grouped:
-            torch._foreach_copy_(snapshots, weights)
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # One multi-tensor op per device and dtype (a mixed list would fall back to one kernel per tensor). The
+        # snapshot is made out of place, so that one op allocates every parameter's copy (multiplying by 1 copies
+        # exactly, unless `torch.set_flush_denormal` flushes subnormal weights). It becomes the parameter's new
+        # buffer, and the old one is released when the step ends.
+        groups = _by_device_and_dtype(params)
+        snapshots = [torch._foreach_mul(weights, 1.0) for weights in groups]
         self.base_optimizer.step()
 
-        if first:
-            torch._foreach_sub_(first_updates, first)
-            for param, update in zip(first, first_updates):
-                self.state[param][STATE_KEY] = update
-        if self.coefficient == AUTO:
-            for param in first:
-                self.state[param][LOOKAHEAD_KEY] = torch.zeros((), device=param.device)
-            for weights, buffers, snapshots in grouped:
-                torch._foreach_sub_(snapshots, weights)
-                _auto_correct(weights, snapshots, buffers, [self.state[p] for p in weights])
-        else:
-            for weights, buffers, snapshots in grouped:
-                # u_t = w_before - w_after; then w_after + c * (u_{t-1} - u_t), and u_t is copied into the old
-                # buffer rather than replacing it, so that the persistent state is never reallocated.
-                torch._foreach_sub_(snapshots, weights)
-                torch._foreach_sub_(buffers, snapshots)
-                torch._foreach_add_(weights, buffers, alpha=self.coefficient)
-                torch._foreach_copy_(buffers, snapshots)
+        for weights, updates in zip(groups, snapshots):
+            torch._foreach_sub_(updates, weights)  # u_t = w_before - w_after, exact where they are close
+            states = [self.state[p] for p in weights]
+            if self.coefficient == AUTO:
+                _auto_correct(weights, updates, states)
+            else:
+                _fixed_correct(weights, updates, states, self.coefficient)
+            for state, update in zip(states, updates):
+                state[STATE_KEY] = update
         return loss
 
 
-def _auto_correct(
-    params: list[Tensor], updates: list[Tensor], previous: list[Tensor], states: list[dict[str, Any]]
-) -> None:
-    """``coefficient="auto"``: ``w += c_prev * u_prev - c * u`` per tensor, then ``u_prev = u``.
+def _continuing(
+    weights: list[Tensor], updates: list[Tensor], states: list[dict[str, Any]]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[dict[str, Any]]]:
+    """The weights, updates, previous updates and states of the parameters that have a previous update."""
+    kept = [i for i, state in enumerate(states) if STATE_KEY in state]
+    return (
+        [weights[i] for i in kept],
+        [updates[i] for i in kept],
+        [states[i][STATE_KEY] for i in kept],
+        [states[i] for i in kept],
+    )
 
-    On entry ``params`` hold the base optimizer's new weights, ``updates`` :math:`u_t` and ``previous``
-    :math:`u_{t-1}`. Each tensor's :math:`c_t` is the least-squares slope of its update on its previous one,
-    :math:`\\langle u_t, u_{t-1}\rangle / \\|u_{t-1}\\|^2`, from running averages, in [0, AUTO_MAX]. Per tensor
+
+def _fixed_correct(weights: list[Tensor], updates: list[Tensor], states: list[dict[str, Any]], c: float) -> None:
+    """``w += c * (u_prev - u)`` for the parameters that have a previous update ``u_prev``; the others stay plain.
+
+    ``u_prev - u`` is formed in the previous update's buffer, which the caller then replaces with ``u``.
+    """
+    weights, updates, previous, _ = _continuing(weights, updates, states)
+    if weights:
+        torch._foreach_sub_(previous, updates)
+        torch._foreach_add_(weights, previous, alpha=c)
+
+
+def _auto_correct(weights: list[Tensor], updates: list[Tensor], states: list[dict[str, Any]]) -> None:
+    r"""``coefficient="auto"``: ``w += c_prev * u_prev - c * u`` per tensor, for the parameters that have a
+    previous update ``u_prev``; the others take a plain step and a look-ahead of 0.
+
+    On entry ``weights`` hold the base optimizer's new weights and ``updates`` :math:`u_t`. Each tensor's
+    :math:`c_t` is the least-squares slope of its update on its previous one,
+    :math:`\langle u_t, u_{t-1}\rangle / \|u_{t-1}\|^2`, from running averages, in [0, AUTO_MAX]. Per tensor
     rather than per group, so that a pipeline stage, which holds whole tensors, computes what one device would.
-    Everything stays on the device (no host synchronization).
+    The inner products come from norms, :math:`(\|u_t + u_{t-1}\|^2 - \|u_t\|^2 - \|u_{t-1}\|^2) / 2`, so that
+    one multi-tensor norm serves every tensor; the statistics are stacked into vectors, so that the step's
+    arithmetic is a fixed number of ops whatever the number of tensors. Everything stays on the device (no host
+    synchronization).
     """
+    for weight, state in zip(weights, states):
+        if STATE_KEY not in state:
+            state[LOOKAHEAD_KEY] = torch.zeros((), device=weight.device)
+    weights, updates, previous, states = _continuing(weights, updates, states)
+    if not weights:
+        return
+    n = len(weights)
     # Statistics in float32 at least (float64 for float64 parameters).
-    dtype = torch.promote_types(params[0].dtype, torch.float32)
-    dots = torch.stack([torch.dot(u.reshape(-1), p.reshape(-1)).to(dtype) for u, p in zip(updates, previous)])
-    squares = torch.stack(torch._foreach_norm(previous)).to(dtype).square()
-    zero = dots.new_zeros(())
-    alignment = torch.stack([state.get(ALIGNMENT_KEY, zero).to(dtype) for state in states])
-    norm = torch.stack([state.get(SQUARE_KEY, zero).to(dtype) for state in states])
-    lookahead = [state.get(LOOKAHEAD_KEY, zero) for state in states]
-    alignment = alignment * AUTO_DECAY + dots * (1 - AUTO_DECAY)
-    norm = norm * AUTO_DECAY + squares * (1 - AUTO_DECAY)
-    coefficients = torch.where(norm > 0, alignment / norm.clamp(min=torch.finfo(dtype).tiny), zero)
-    coefficients = coefficients.clamp(0.0, AUTO_MAX).unbind()
+    dtype = torch.float64 if weights[0].dtype == torch.float64 else torch.float32
+    sums = torch._foreach_add(updates, previous)
+    squares = torch.stack(torch._foreach_norm([*sums, *updates, *previous], 2, dtype=dtype)).square()
+    del sums
+    total, current, before = squares.split(n)
+    dots = (total - current - before) * 0.5
+
+    zero = None
+    if any(ALIGNMENT_KEY not in s or SQUARE_KEY not in s or LOOKAHEAD_KEY not in s for s in states):
+        zero = dots.new_zeros(())
+    # Both running averages of every tensor in one vector: alignments, then squares.
+    averages = torch.stack([s.get(key, zero) for key in (ALIGNMENT_KEY, SQUARE_KEY) for s in states]).to(dtype)
+    averages.mul_(AUTO_DECAY).add_(torch.cat([dots, before]), alpha=1 - AUTO_DECAY)
+    alignment, norm = averages.split(n)
+    coefficients = torch.where(norm > 0, alignment / norm.clamp(min=torch.finfo(dtype).tiny), 0.0)
+    coefficients = coefficients.clamp_(0.0, AUTO_MAX).unbind()
     # The weights are kept c_{t-1} u_{t-1} ahead of the uncorrected trajectory: move them back by that and
-    # forward by c_t u_t. `previous` is scaled in place, then overwritten with u_t.
-    torch._foreach_mul_(previous, lookahead)
-    torch._foreach_add_(params, previous)
-    torch._foreach_copy_(previous, updates)
-    torch._foreach_mul_(updates, coefficients)
-    torch._foreach_sub_(params, updates)
-    for state, c, a, n in zip(states, coefficients, alignment.unbind(), norm.unbind()):
-        state[LOOKAHEAD_KEY], state[ALIGNMENT_KEY], state[SQUARE_KEY] = c, a, n
+    # forward by c_t u_t.
+    torch._foreach_addcmul_(weights, previous, [s.get(LOOKAHEAD_KEY, zero) for s in states])
+    torch._foreach_addcmul_(weights, updates, coefficients, value=-1)
+    values = averages.unbind()
+    for state, c, a, b in zip(states, coefficients, values[:n], values[n:]):
+        state[LOOKAHEAD_KEY], state[ALIGNMENT_KEY], state[SQUARE_KEY] = c, a, b
 
 
-def _by_device_and_dtype(*lists: list[Tensor]) -> list[tuple[list[Tensor], ...]]:
-    """Split parallel lists of tensors into groups of one device and dtype (that of the first list's tensor)."""
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], ...]] = {}
-    for tensors in zip(*lists):
-        key = (tensors[0].device, tensors[0].dtype)
-        if key not in groups:
-            groups[key] = tuple([] for _ in lists)
-        for group, tensor in zip(groups[key], tensors):
-            group.append(tensor)
+def _by_device_and_dtype(params: list[Tensor]) -> list[list[Tensor]]:
+    """Split ``params`` into lists of one device and dtype, in their order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for param in params:
+        groups.setdefault((param.device, param.dtype), []).append(param)
     return list(groups.values())
-
-
-def _empty_like_in_one_block(tensors: list[Tensor]) -> list[Tensor]:
-    """Uninitialized tensors shaped like ``tensors``, backed by one allocation per device and dtype.
-
-    Freeing many parameter-sized blocks every step lets the CPU allocator hand the memory back to the
-    operating system and fault it in again on the next step, which costs more than the arithmetic; a single
-    block of the same size every step is kept by the allocator and reused.
-    """
-    blocks: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        blocks.setdefault((tensor.device, tensor.dtype), []).append(index)
-    out: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    for (device, dtype), indices in blocks.items():
-        sizes = [tensors[i].numel() for i in indices]
-        block = torch.empty(sum(sizes), device=device, dtype=dtype)
-        for i, chunk in zip(indices, block.split(sizes)):
-            out[i] = chunk.view_as(tensors[i])
-    return out

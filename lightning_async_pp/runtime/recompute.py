@@ -89,6 +89,11 @@ def checkpoint_layers(layers: Sequence[nn.Module], indices: Sequence[int]) -> No
         setattr(layer, _MARK, True)
 
 
+def is_checkpointed(layer: nn.Module) -> bool:
+    """Whether :func:`checkpoint_layers` made ``layer`` recompute its forward."""
+    return getattr(layer, _MARK, False)
+
+
 def _recomputed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward.__get__(self)
     if not torch.is_grad_enabled():

@@ -35,10 +35,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_async_pp.optim import updates_per_parameter
 from lightning_async_pp.runtime.replicas import averages_exactly
 
-__all__ = ["ReplicaShards", "check_shardable", "keep_owned", "plan_owners"]
+__all__ = ["ReplicaShards", "keep_owned", "plan_owners"]
 
 
 def plan_owners(sizes: Mapping[str, int], replicas: int) -> dict[str, int]:
@@ -61,23 +60,6 @@ def plan_owners(sizes: Mapping[str, int], replicas: int) -> dict[str, int]:
         owners[name] = owner
         load[owner] += sizes[name]
     return {name: owners[name] for name in sizes}
-
-
-def check_shardable(optimizer: Optimizer) -> None:
-    """Refuse an optimizer whose update of a parameter may read other parameters' gradients or state.
-
-    Raises:
-        ValueError: Naming the optimizer and what to change.
-    """
-    if not updates_per_parameter(optimizer):
-        name = type(optimizer).__name__
-        raise ValueError(
-            f"Sharding the optimizer state over the replicas (`shard_optimizer=True`) splits a stage's parameters "
-            f"between optimizers, one per replica, which gives the same updates only when the update of each "
-            f"parameter reads nothing but that parameter's gradient and state (AdamW, SGD, Muon, ...). `{name}` is "
-            f"not known to be such an optimizer. If it is, declare it: `{name}.per_parameter = True`. Otherwise "
-            f"set `shard_optimizer=False`."
-        )
 
 
 def keep_owned(optimizer: Optimizer, owned: Sequence[Tensor]) -> None:

@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_async_pp.runtime import activations
 from lightning_async_pp.runtime.activations import Spec
+from lightning_async_pp.runtime.casts import WeightCasts, autocast_dtype
 from lightning_async_pp.runtime.comm import Channel
 from lightning_async_pp.runtime.contract import StageModule
 from lightning_async_pp.runtime.data_order import DataOrderLink
@@ -127,8 +128,12 @@ class StageRuntime:
             :class:`FiniteCheck`.
         ties: Sums the gradients of parameters this stage shares with other stages (tied weights).
         shard_optimizer: Keep only this replica's part of the optimizer state (``data_group``'s replicas each own
-            whole tensors, see :mod:`~lightning_async_pp.runtime.sharding`).
+            whole tensors, see :mod:`~lightning_async_pp.runtime.sharding`); for per-parameter optimizers only
+            (:class:`~lightning_async_pp.runtime.updates.UpdateDriver`).
         observers: Called as ``fn(action, begin, end)`` after each action (see :meth:`add_observer`).
+        cast_weights: Under an autocast ``forward_context``, cast the weights autocast would cast once per weight
+            version, shared by the micro-batches in flight, instead of once per micro-batch
+            (:mod:`~lightning_async_pp.runtime.casts`; the same bits, less memory). ``False`` for comparisons.
     """
 
     kind: str
@@ -158,6 +163,7 @@ class StageRuntime:
     time_actions: bool = True
     observers: Sequence[Observer] = ()
     shard_optimizer: bool = False
+    cast_weights: bool = True
 
     def __post_init__(self) -> None:
         validate(self.kind, self.num_stages, self.num_microbatches)
@@ -165,6 +171,8 @@ class StageRuntime:
         self.params = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
         self.weights = WeightVersions(self.params, 2 if self.kind == "2bw" else 1, self.start_version)
         self._swap = ParameterSwap(self.module, self.params)
+        cast_dtype = autocast_dtype(self.forward_context, self.device.type) if self.cast_weights else None
+        self._casts = WeightCasts(self.module, list(self.params), cast_dtype, self.device.type)
         self.updates: UpdateDriver | None = None
         if self.optimizer is not None:
             self.updates = UpdateDriver(
@@ -402,7 +410,7 @@ class StageRuntime:
             activations.with_grad_inputs(x, x_spec)
         weights = self.weights.pin(a.step, a.version)
         with self.forward_context():
-            with self._swap(weights):
+            with self._swap(weights), self._casts(weights, a.version):
                 y = self.module(x, microbatch)
             if self.is_last:
                 y = self.loss_fn(y, microbatch)

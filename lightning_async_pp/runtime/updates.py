@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_async_pp.runtime.replicas import ReplicaAverage
-from lightning_async_pp.runtime.sharding import ReplicaShards, check_shardable, keep_owned, plan_owners
+from lightning_async_pp.runtime.sharding import ReplicaShards, keep_owned, plan_owners
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.weights import WeightVersions
 from lightning_async_pp.schedule import updates_settled_by, weight_version
@@ -166,7 +166,9 @@ class UpdateDriver:
         ties: Sums the gradients of parameters this stage shares with other stages (tied weights).
         shard: Shard the optimizer state over the replicas of ``data_group``: ``optimizer`` keeps only the
             parameters this replica owns (it is changed in place). ``before_update`` sees the owned gradients
-            (and the tied ones) only.
+            (and the tied ones) only. Only for an optimizer whose update of a parameter reads nothing but that
+            parameter's gradient and state: the caller checks (the strategy with
+            :func:`~lightning_async_pp.optim.updates_per_parameter`).
     """
 
     def __init__(
@@ -206,7 +208,6 @@ class UpdateDriver:
         """Recent updates as (step, version the gradient was computed on, version produced)."""
 
     def _shard(self, data_group: Any) -> ReplicaShards:
-        check_shardable(self.optimizer)
         replicas = dist.get_world_size(data_group)
         sizes = {name: p.numel() * p.element_size() for name, p in self.params.items()}
         shards = ReplicaShards(self.params, plan_owners(sizes, replicas), dist.get_rank(data_group), data_group)

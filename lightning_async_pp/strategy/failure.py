@@ -18,6 +18,9 @@ draining: on gloo that fails fast, on NCCL the host blocks behind a receive that
   prints which stage failed or died, aborts the process groups and exits with status 1, even while the main
   thread is blocked in the device.
 
+The strategy's launcher of ``python -m ...`` children waits ``SELF_EXIT_S`` after a child's error before it ends
+the processes still running, so a job whose ranks all refused something ends with status 1, not killed.
+
 A ``SIGTERMException`` from :mod:`~lightning_async_pp.strategy.signals` is not a failure: every rank stops at
 the same step, so the drain is safe and the teardown normal.
 """
@@ -36,13 +39,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_async_pp.strategy.watchdog import PeerWatchdog
 
-__all__ = ["EXIT_GRACE_S", "FailureGuard", "abort_process_groups"]
+__all__ = ["EXIT_GRACE_S", "SELF_EXIT_S", "FailureGuard", "abort_process_groups"]
 
 EXIT_GRACE_S = 15.0
 """Seconds a failed rank's process may live after its teardown before it is ended."""
 ABORT_S = 10.0
 """Seconds the process groups' abort may take (NCCL's abort can hang) before the process exits anyway."""
 EXIT_CODE = 1
+SELF_EXIT_S = 45.0
+"""Seconds within which every rank of a failed job ends by itself: the report (at most 10 s, rank 0 holding the
+store until the others have read it), the abort of the groups (``ABORT_S``), then ``EXIT_GRACE_S``. A process of the
+job still running after that is stuck, and the launcher ends it."""
 
 
 class FailureGuard:

@@ -10,10 +10,15 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable, Sized
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -26,12 +31,14 @@ from lightning_async_pp.runtime.microbatch import auto_num_microbatches
 from lightning_async_pp.runtime.recompute import select_layers
 from lightning_async_pp.schedule import SCHEDULES, validate
 from lightning_async_pp.schedule.ir import is_int
+from lightning_async_pp.strategy.failure import SELF_EXIT_S
 from lightning_async_pp.strategy.lifecycle import check_gradient_clipping_hook
 from lightning_async_pp.strategy.placement import check_timing_input, partition_layers
 from lightning_async_pp.strategy.topology import check_process_count
 
 __all__ = [
     "check_arguments",
+    "check_datamodule",
     "check_pipeline_model",
     "check_train_loader",
     "check_trainer_settings",
@@ -97,13 +104,7 @@ def check_train_loader(
     if not isinstance(loader, DataLoader) or loader.batch_size is None or not isinstance(loader.dataset, Sized):
         return
     size = loader.batch_size
-    if num_microbatches is None:
-        num_microbatches = auto_num_microbatches(size, num_stages)
-    if size % num_microbatches:
-        raise ValueError(
-            f"The training DataLoader's batch_size={size} cannot be split into num_microbatches={num_microbatches} "
-            "equal micro-batches. Make the batch size a multiple of `num_microbatches`, or change `num_microbatches`."
-        )
+    num_microbatches = _check_batch_size(size, num_microbatches, num_stages, "The training DataLoader's")
     samples = math.ceil(len(loader.dataset) / replicas)
     last = samples % size
     batches = math.ceil(samples / size)
@@ -119,6 +120,43 @@ def check_train_loader(
             f"{size}), which num_microbatches={num_microbatches} cannot split into equal micro-batches. Set "
             "`DataLoader(drop_last=True)`, or use a dataset whose length is a multiple of the batch size."
         )
+
+
+def check_datamodule(datamodule: Any, num_microbatches: int | None, num_stages: int) -> None:
+    """Refuse a data module whose ``batch_size`` cannot be cut into equal micro-batches, before any process starts.
+
+    Its loaders exist only after ``setup`` in each process, so the batch size is taken where Lightning's batch size
+    finder takes it: the ``batch_size`` attribute (or hyperparameter) of the data module. One without it, or with a
+    value that is not an integer, is checked batch by batch in training.
+
+    Args:
+        datamodule: What ``fit`` got as ``datamodule``.
+        num_microbatches: Micro-batches per batch (``None``: ``"auto"``).
+        num_stages: Pipeline stages.
+    """
+    if datamodule is None:
+        return
+    size = getattr(datamodule, "batch_size", None)
+    hparams = getattr(datamodule, "hparams", None)
+    if size is None and isinstance(hparams, Mapping):
+        size = hparams.get("batch_size")
+    if is_int(size):
+        _check_batch_size(size, num_microbatches, num_stages, f"{type(datamodule).__name__}'s")
+
+
+def _check_batch_size(size: int, num_microbatches: int | None, num_stages: int, whose: str) -> int:
+    """Refuse a batch size that is not positive or that ``num_microbatches`` does not divide; returns the number of
+    micro-batches (``None``: ``"auto"``, chosen from ``size``)."""
+    if size < 1:
+        raise ValueError(f"{whose} batch_size={size} is not a positive number of samples: set a positive batch size.")
+    if num_microbatches is None:
+        num_microbatches = auto_num_microbatches(size, num_stages)
+    if size % num_microbatches:
+        raise ValueError(
+            f"{whose} batch_size={size} cannot be split into num_microbatches={num_microbatches} equal micro-batches. "
+            "Make the batch size a multiple of `num_microbatches`, or change `num_microbatches`."
+        )
+    return num_microbatches
 
 
 def check_pipeline_model(strategy: Any, module: LightningModule) -> None:
@@ -153,7 +191,7 @@ def configure_launcher(strategy: Any) -> _Launcher | None:
         return None
     if strategy.start_method == "popen":
         assert strategy.cluster_environment is not None
-        launcher = _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        launcher = _ScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     else:
         launcher = _SpawnLauncher(strategy, start_method=strategy.start_method)
     launcher.launch = functools.partial(_checked_launch, strategy, launcher.launch)
@@ -171,7 +209,11 @@ def _checked_launch(strategy: Any, launch: Callable, function: Callable, *args: 
     microbatches = None if strategy.auto_microbatches else strategy.num_microbatches
     limits = {} if trainer is None else {"max_steps": trainer.max_steps, "limit_batches": trainer.limit_train_batches}
     loader = _argument(function, "train_dataloaders", args, kwargs)
+    datamodule = _argument(function, "datamodule", args, kwargs)
+    if isinstance(loader, LightningDataModule):  # `fit(model, datamodule)`, which Lightning accepts
+        loader, datamodule = None, loader
     check_train_loader(loader, microbatches, strategy.num_stages, replicas, **limits)
+    check_datamodule(datamodule, microbatches, strategy.num_stages)
     ckpt_path = _argument(function, "ckpt_path", args, kwargs)
     if ckpt_path is not None:
         check_checkpoint_path(ckpt_path)
@@ -185,6 +227,45 @@ def _argument(function: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(name)
     except (TypeError, ValueError):
         return None
+
+
+class _ScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher of ``python -m ...`` children, watching them with :class:`_ChildWatch`."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        # Lightning's `launch`, with its watch over the children replaced.
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _ChildWatch(main_pid=os.getpid(), child_processes=self.procs).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class _ChildWatch(_ChildProcessObserver):
+    """Lightning's watch over the children SIGKILLs every process of the job (exit status 137) within seconds of a
+    child's non-zero exit, even when every rank is ending by itself after a clean refusal. This one waits
+    :data:`~lightning_async_pp.strategy.failure.SELF_EXIT_S` first: the ranks of a failed job say why and exit with
+    status 1 on their own (rank 0, which runs this thread, last: it hosts the store the others read the failure
+    from). Only if this process still runs after that is a rank stuck, and every process is ended."""
+
+    @override
+    def _run(self) -> bool:
+        codes = [process.poll() for process in self._child_processes]
+        if all(code == 0 for code in codes):
+            return True
+        failed = [(rank, code) for rank, code in enumerate(codes, start=1) if code]
+        if not failed:
+            return False
+        time.sleep(SELF_EXIT_S)
+        rank, code = failed[0]
+        sys.stderr.write(
+            f"local rank {rank} exited with status {code} and local rank 0 is still running {SELF_EXIT_S:.0f} s "
+            "later: ending every process of the job.\n"
+        )
+        self._terminate_all()
+        return True
 
 
 class _SpawnLauncher(_MultiProcessingLauncher):

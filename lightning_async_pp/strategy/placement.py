@@ -3,21 +3,15 @@
 :func:`place_stage` does all of it for one rank and returns a :class:`StagePlacement`, the record of what the
 rank keeps (its layers and parameters, the weights it shares with other stages).
 
-Building a model for a pipeline on the meta device, layers only.
-
-With several stages, ``trainer.init_module(empty_init=True)`` and ``configure_model`` build the model without
-allocating its layers: each stage materialises only the layers it owns (see
-:func:`lightning_async_pp.strategy.placement.materialize`). Plain ``torch.device("meta")`` would put *every*
-tensor on the meta device, including values that no initialiser can recreate afterwards: the states of a
-torchmetrics ``Metric`` (zeros, ``-inf``, counts) and the tensors a LightningModule creates in its own code
-(class weights, a constant buffer). :class:`MetaLayers` leaves those on the default device.
+With several stages, the model is built with its layers on the meta device
+(:class:`~lightning_async_pp.meta.MetaLayers`) and each stage materialises only the layers it owns
+(:func:`materialize`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,8 +23,6 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
 
 from lightning_async_pp.runtime.contract import reads_batch
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, checkpoint_layers, select_layers
@@ -395,54 +387,3 @@ def check_timing_input(module: LightningModule) -> Tensor:
             "micro-batch, or use balance='parameters' or explicit `split_points`."
         )
     return example
-
-
-META = torch.device("meta")
-
-
-class MetaLayers(TorchFunctionMode):
-    """Creates tensors on the meta device, except those created by a LightningModule's own methods or by a
-    torchmetrics ``Metric``.
-
-    Which code creates a tensor is read from the innermost frame on the call stack whose ``self`` is an
-    ``nn.Module``: a layer (``nn.Linear``, a transformer block, ...) gets meta tensors; the LightningModule
-    itself and metrics get real ones. A tensor created outside any module (at the top level of the ``with``
-    block) goes to the meta device, as under ``torch.device("meta")``.
-    """
-
-    _depth = 0  # how many MetaLayers modes are open in this process
-
-    def __enter__(self) -> MetaLayers:
-        MetaLayers._depth += 1
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        MetaLayers._depth -= 1
-        super().__exit__(*exc)
-
-    @staticmethod
-    def active() -> bool:
-        """Whether layers built now go to the meta device (a LightningModule's own tensors never do)."""
-        return MetaLayers._depth > 0
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _device_constructors() and kwargs.get("device") is None and not _created_by_non_layer_code():
-            kwargs["device"] = META
-        return func(*args, **kwargs)
-
-
-def _created_by_non_layer_code() -> bool:
-    from lightning.pytorch import LightningModule
-
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # torchmetrics is optional
-        Metric = ()  # noqa: N806
-    frame = sys._getframe(2)  # the caller of __torch_function__
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module):
-            return isinstance(owner, (LightningModule, Metric) if Metric else LightningModule)
-        frame = frame.f_back
-    return False

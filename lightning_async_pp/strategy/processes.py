@@ -161,6 +161,7 @@ class PipelineProcesses(ParallelStrategy):
                     env.main_port,
                     self.timeout,
                     self.root_device,
+                    self.num_nodes,
                 ),
                 waiting_message(
                     env.world_size(),

@@ -4,11 +4,16 @@ A pipeline-ready module's batch is split into micro-batches, each one's loss com
 back-propagated on its own, in order, as a pipeline stage does: the gradients then accumulate in the same
 order and the two agree to the last bit. With ``"2bw"`` the gradient is taken on the previous weights
 (:class:`~lightning_async_pp.reference.delayed.DelayedWeights`) and the optimizer steps the current ones.
-It shares no code with the multi-process runtime.
+It shares with the multi-process runtime only what defines the model's computation and the batch's cut
+(``run_layers``, ``split_microbatches``, the recomputation helpers, the weight casts of
+:mod:`~lightning_async_pp.runtime.casts`): no schedule, no weight versions, no transfers, so it is an
+independent check of those.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_async_pp.reference.delayed import DelayedWeights
+from lightning_async_pp.runtime.casts import WeightCasts, autocast_dtype
 from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipeline_module, run_layers
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
@@ -28,11 +34,38 @@ from lightning_async_pp.runtime.stage import check_finite_losses
 __all__ = ["SingleDevice", "microbatch_losses"]
 
 
-def microbatch_losses(module: LightningModule, batch: Any, num_microbatches: int) -> list[Tensor]:
-    """The loss of each of ``num_microbatches`` micro-batches of ``batch``, each through the whole model."""
+def microbatch_losses(
+    module: LightningModule,
+    batch: Any,
+    num_microbatches: int,
+    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> list[Tensor]:
+    """The loss of each of ``num_microbatches`` micro-batches of ``batch``, each through the whole model, each
+    forward inside ``around()``."""
     layers = module.pipeline_layers()
-    microbatches = split_microbatches(batch, num_microbatches)
-    return [module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb) for mb in microbatches]
+    losses = []
+    for mb in split_microbatches(batch, num_microbatches):
+        with around():
+            losses.append(module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb))
+    return losses
+
+
+def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callable[[], Callable[[], WeightCasts]]:
+    """A factory of the context that gives the forwards of one call of :func:`microbatch_losses` one cast of
+    each weight autocast would cast (see :mod:`~lightning_async_pp.runtime.casts`), made at the first forward
+    of that call (each call is one step, with its own weights)."""
+    params = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    device_type = next(iter(params.values())).device.type if params else "cpu"
+    casts = WeightCasts(
+        module, list(params), autocast_dtype(precision_plugin.forward_context, device_type), device_type
+    )
+    calls = itertools.count()
+
+    def factory() -> Callable[[], WeightCasts]:
+        key = next(calls)
+        return lambda: casts(params, key)
+
+    return factory
 
 
 class SingleDevice:
@@ -41,6 +74,7 @@ class SingleDevice:
     def __init__(self) -> None:
         self.delayed: DelayedWeights | None = None
         self.losses: list[Tensor] | None = None
+        self._casts: Callable[[], Callable[[], WeightCasts]] | None = None
 
     def setup(self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any) -> None:
         """Check that ``module`` can be split into ``num_microbatches``; wrap its recomputed layers."""
@@ -49,14 +83,18 @@ class SingleDevice:
         if activation_checkpointing is not False:
             layers = list(module.pipeline_layers())
             checkpoint_layers(layers, select_layers(layers, activation_checkpointing))
+        self._casts = None  # built at the first step, on the module's device
 
     def training_step(
         self, module: LightningModule, batch: Any, num_microbatches: int, precision_plugin: Precision
     ) -> Tensor:
         """The batch's loss as the mean of its micro-batches' losses, logged as ``train/loss``; the micro-batch
         losses are kept for :meth:`backward`."""
+        if self._casts is None:
+            self._casts = shared_casts(module, precision_plugin)
+        around = self._casts()  # the step's forwards share one cast of each weight
         with precision_plugin.train_step_context():
-            self.losses = microbatch_losses(module, batch, num_microbatches)
+            self.losses = microbatch_losses(module, batch, num_microbatches, around)
         losses = torch.stack([loss.detach() for loss in self.losses])
         check_finite_losses(losses, module.trainer.global_step, stage=0)
         loss = torch.stack(self.losses).mean()

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_async_pp.checkpoint import parameter_aliases
 from lightning_async_pp.module import pipeline_evaluation_step
+from lightning_async_pp.optim import updates_per_parameter
 from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import write_chrome_trace
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step, local_seed
@@ -28,6 +30,7 @@ from lightning_async_pp.strategy.stage_stats import StageStatistics
 from lightning_async_pp.strategy.topology import ProcessGroups
 
 __all__ = [
+    "check_shardable",
     "evaluation_microbatches",
     "evaluation_runtime",
     "setup_stage",
@@ -102,6 +105,23 @@ def _stage_arguments(strategy: Any) -> dict[str, Any]:
     )
 
 
+def check_shardable(optimizer: Optimizer) -> None:
+    """Refuse an optimizer whose update of a parameter may read other parameters' gradients or state.
+
+    Raises:
+        ValueError: Naming the optimizer and what to change.
+    """
+    if not updates_per_parameter(optimizer):
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"Sharding the optimizer state over the replicas (`shard_optimizer=True`) splits a stage's parameters "
+            f"between optimizers, one per replica, which gives the same updates only when the update of each "
+            f"parameter reads nothing but that parameter's gradient and state (AdamW, SGD, Muon, ...). `{name}` is "
+            f"not known to be such an optimizer. If it is, declare it: `{name}.per_parameter = True`. Otherwise "
+            f"set `shard_optimizer=False`."
+        )
+
+
 def training_runtime(strategy: Any, trainer: Trainer) -> StageRuntime:
     """The runtime that trains this rank's placed stage with the strategy's schedule and optimizer.
 
@@ -115,6 +135,9 @@ def training_runtime(strategy: Any, trainer: Trainer) -> StageRuntime:
             f"AsyncPipelineStrategy needs exactly one optimizer, got {len(optimizers)}. Return one "
             "optimizer from `configure_optimizers` (Muon and DelayCorrected are single optimizers)."
         )
+    shard = strategy.shard_optimizer and strategy.data_parallel_size > 1
+    if shard:
+        check_shardable(optimizers[0])
     groups = strategy._groups
     return StageRuntime(
         kind=strategy.schedule,
@@ -124,7 +147,7 @@ def training_runtime(strategy: Any, trainer: Trainer) -> StageRuntime:
         clip_grad_norm=trainer.gradient_clip_val or None,
         norm_group=groups.norm,
         data_group=groups.data if strategy.data_parallel_size > 1 else None,
-        shard_optimizer=strategy.shard_optimizer,
+        shard_optimizer=shard,
         trace=strategy.trace_dir is not None,
         time_actions=strategy.stage_timing,
         before_update=before_optimizer_step(trainer, optimizers[0]),

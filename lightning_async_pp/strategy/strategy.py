@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_async_pp.checkpoint import is_sharded_checkpoint
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
+from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.runtime.contract import is_pipeline_module
 from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
@@ -54,7 +55,7 @@ from lightning_async_pp.strategy.lifecycle import (
     same_order_loader,
     sampler_kwargs,
 )
-from lightning_async_pp.strategy.placement import MetaLayers, StagePlacement, layer_costs, partition_layers
+from lightning_async_pp.strategy.placement import StagePlacement, layer_costs, partition_layers
 from lightning_async_pp.strategy.processes import PipelineProcesses
 from lightning_async_pp.strategy.progress import show_epoch_without_total
 from lightning_async_pp.strategy.routing import report_routing

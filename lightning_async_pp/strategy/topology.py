@@ -14,12 +14,16 @@ Initialising the default group (NCCL-ready, with a rendezvous kept on loopback):
   operation that runs past the strategy's ``timeout`` ends the process. A rank that fails or dies is noticed
   sooner, through the control traffic (:mod:`~lightning_async_pp.strategy.watchdog`), which aborts the
   process groups itself.
-* The rendezvous store (a ``TCPStore`` on ``MASTER_PORT``) listens only on the loopback interface when
-  ``MASTER_ADDR`` is a loopback address (one node): the store is created here on a socket bound to that
-  address. ``init_process_group`` would listen on every interface. Under torchrun the launcher's agent
-  already hosts the store on ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``) and its workers join it
-  as clients, so nothing is created here. Peers exchange pickled objects through the store and the
-  process groups, so a multi-node job assumes a trusted network.
+* On one node (``num_nodes == 1``) nothing listens beyond the machine: the rendezvous store (a ``TCPStore``
+  on ``MASTER_PORT``) is created here on a socket bound to the loopback address, whatever ``MASTER_ADDR``
+  says (a host name under SLURM, say), and every rank reaches it there; ``init_process_group`` would listen
+  on every interface. gloo and NCCL open their own sockets on the interface ``GLOO_SOCKET_IFNAME`` /
+  ``NCCL_SOCKET_IFNAME`` names, which are set to the loopback interface unless the user set them
+  (:func:`socket_interfaces`). Under torchrun the launcher's agent already hosts the store on
+  ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``) and its workers join it as clients, so nothing is
+  created here: that store listens on every interface. Across nodes the store listens on every interface
+  (unless ``MASTER_ADDR`` is a loopback address), as torch's does. Peers exchange pickled objects through
+  the store and the process groups, so a multi-node job assumes a trusted network.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +50,16 @@ __all__ = [
     "init_process_group",
     "is_loopback",
     "launcher_hosts_store",
+    "loopback_interface",
+    "loopback_store",
+    "rendezvous_host",
+    "socket_interfaces",
 ]
+
+SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where gloo and NCCL open their sockets (an interface name)."""
+_SYSFS_NET = "/sys/class/net"
+_IFF_LOOPBACK = 0x8  # Linux's flag of a loopback interface (/sys/class/net/<name>/flags)
 
 
 @dataclass(frozen=True)
@@ -165,8 +180,62 @@ def launcher_hosts_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
 
 
+def rendezvous_host(address: str, num_nodes: int) -> str | None:
+    """The loopback address rank 0's rendezvous store listens on (and the other ranks reach it at), or ``None``
+    where the store must be reachable from other machines (torch then listens on every interface).
+
+    Args:
+        address: ``MASTER_ADDR``.
+        num_nodes: Machines of the job (``Trainer(num_nodes=...)``).
+    """
+    if is_loopback(address):
+        return "127.0.0.1" if address == "localhost" else address
+    return "127.0.0.1" if num_nodes == 1 else None
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS), ``None`` if none is
+    found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    if os.path.isdir(_SYSFS_NET):  # Linux: the interface flagged loopback, whatever its name
+        for name in names:
+            try:
+                if int(Path(_SYSFS_NET, name, "flags").read_text(), 16) & _IFF_LOOPBACK:
+                    return name
+            except (OSError, ValueError):
+                continue
+        return None
+    return next((name for name in names if name in ("lo0", "lo")), None)
+
+
+def socket_interfaces(num_nodes: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The socket interfaces to set for gloo and NCCL: the loopback interface on one node, for each variable the
+    user left unset (:data:`SOCKET_INTERFACE_VARIABLES`); nothing across nodes.
+
+    Args:
+        num_nodes: Machines of the job.
+        environ: The process's environment.
+    """
+    if num_nodes != 1:
+        return {}
+    name = loopback_interface()
+    if name is None:
+        return {}
+    return {variable: name for variable in SOCKET_INTERFACE_VARIABLES if not environ.get(variable)}
+
+
 def init_process_group(
-    backend: str, rank: int, world_size: int, address: str, port: int, timeout: timedelta, device: torch.device
+    backend: str,
+    rank: int,
+    world_size: int,
+    address: str,
+    port: int,
+    timeout: timedelta,
+    device: torch.device,
+    num_nodes: int,
 ) -> None:
     """Initialise the default process group (see the module docstring for what differs from a plain call).
 
@@ -178,19 +247,32 @@ def init_process_group(
         port: ``MASTER_PORT``.
         timeout: How long collectives and transfers may take before the job is brought down.
         device: This process's device (``device_id`` on NCCL).
+        num_nodes: Machines of the job: with one, nothing listens beyond the loopback interface.
     """
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+    # Read by gloo when it creates a group's device and by NCCL at its first communicator: set before either.
+    os.environ.update(socket_interfaces(num_nodes, os.environ))
     kwargs: dict = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": timeout}
     if "nccl" in backend and device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    if is_loopback(address) and not launcher_hosts_store():
-        kwargs["store"] = _loopback_store(address, port, rank, world_size, timeout)
+    host = rendezvous_host(address, num_nodes)
+    if host is not None and not launcher_hosts_store():
+        kwargs["store"] = loopback_store(host, port, rank, world_size, timeout)
     dist.init_process_group(**kwargs)
 
 
-def _loopback_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    host = "127.0.0.1" if address == "localhost" else address
+def loopback_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store at ``host:port``: on rank 0 its server, on a socket bound to ``host`` only (port 0:
+    any free port), elsewhere a client.
+
+    Args:
+        host: A loopback address (:func:`rendezvous_host`).
+        port: ``MASTER_PORT``.
+        rank: Global rank of this process.
+        world_size: Number of processes.
+        timeout: How long a client waits for the server, and a request for its answer.
+    """
     if rank != 0:
         return dist.TCPStore(host, port, world_size, False, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -198,6 +280,7 @@ def _loopback_store(address: str, port: int, rank: int, world_size: int, timeout
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
     listener.listen()
+    port = listener.getsockname()[1]
     # `detach`: the store's server owns the socket from now on (Python must not close it).
     return dist.TCPStore(
         host, port, world_size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()

@@ -27,11 +27,18 @@ blocked in the device), unless the main thread already handles a failure of its 
 (:meth:`PeerWatchdog.claim`). A hung rank whose threads still run (a collective of the data path that never
 completes) keeps its heartbeat going: torch's own NCCL watchdog ends it at the timeout.
 
+The store's keys start with a random token that rank 0 draws and broadcasts over the watchdog's group when
+the watchdog is made (:func:`share_token`): the token never passes through the store, so whoever else can reach
+the store (torchrun's agent store listens on every interface) can neither read nor guess the keys, and cannot
+stop the job by writing a failure into it. What a rank reads back from the store is cut to
+:data:`TEXT_LIMIT` characters and to printable ones (:func:`printable`) before it is printed or raised.
+
 The watchdog imports nothing of Lightning: it needs a gloo group of every rank and the job's store.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -40,13 +47,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["FAILED", "FINISHED", "RUNNING", "PeerWatchdog"]
+__all__ = ["FAILED", "FINISHED", "RUNNING", "TEXT_LIMIT", "PeerWatchdog", "printable", "share_token"]
 
 RUNNING, FINISHED, FAILED = 0, 1, 2
 POLL_S = 0.05
 """How often the watchdog's thread looks whether its pending heartbeat completed (the thread only; cheap)."""
 ROLL_CALL_S = 3.0
 """At least this long the survivors of a death answer the roll call before the silent ranks are called dead."""
+TEXT_LIMIT = 4000
+"""Characters of a rank's error, or of a verdict, that go through the store."""
+TOKEN_BYTES = 16
+"""Random bytes of the token the store's keys start with."""
 
 
 class _Broken(Exception):
@@ -66,6 +77,9 @@ class PeerWatchdog:
             unless this rank :meth:`claim`-ed the failure handling first.
         store: Where failures are reported and the roll call is held (default: the default group's store).
         period: Seconds between heartbeats (default: a tenth of the timeout, at most one second).
+        token: What the watchdog's keys in the store start with; the same on every rank and secret to the job
+            (default: rank 0 draws one and broadcasts it over ``group``: a collective, every rank makes its
+            watchdog at the same point).
     """
 
     def __init__(
@@ -78,6 +92,7 @@ class PeerWatchdog:
         on_failure: Callable[[str], None],
         store: dist.Store | None = None,
         period: float | None = None,
+        token: str | None = None,
     ) -> None:
         self.group = group
         self.rank = rank
@@ -86,7 +101,8 @@ class PeerWatchdog:
         self.timeout = timeout.total_seconds()
         self.period = period if period is not None else min(1.0, self.timeout / 10)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore(f"async_pp/watchdog/{group.group_name}/", base)
+        token = token if token is not None else share_token(group, rank)
+        self.store = dist.PrefixStore(f"async_pp/watchdog/{token}/", base)
         self.on_failure = on_failure
         self.peer_failure: str | None = None
         """What the watchdog learnt about the other ranks (``None``: nothing failed)."""
@@ -132,7 +148,7 @@ class PeerWatchdog:
     def report_failure(self, error: str, wait: float) -> None:
         """Tell every rank that this rank failed with ``error``; return once they know, or after ``wait`` seconds."""
         try:
-            self.store.set(f"failed/{self.rank}", error[:4000])
+            self.store.set(f"failed/{self.rank}", error[:TEXT_LIMIT])
             self.store.set("broken", str(self.rank))
         except Exception:  # noqa: BLE001 - the store's host is gone; the heartbeat still carries the status
             pass
@@ -233,8 +249,8 @@ class PeerWatchdog:
                 if failed:
                     return self._failures(failed)
                 if self.store.check(["verdict"]):  # another survivor concluded first
-                    self._gone.update(int(r) for r in self.store.get("gone").decode().split(",") if r)
-                    return self.store.get("verdict").decode()
+                    self._gone.update(self._ranks(self.store.get("gone")))
+                    return printable(self.store.get("verdict"))
                 time.sleep(0.2)
             silent = [r for r in range(self.world_size) if not self.store.check([f"alive/{r}"])]
             self._gone.update(silent)
@@ -262,11 +278,15 @@ class PeerWatchdog:
         messages = []
         for r in ranks:
             try:
-                error = self.store.get(f"failed/{r}").decode() if self.store.check([f"failed/{r}"]) else None
+                error = printable(self.store.get(f"failed/{r}")) if self.store.check([f"failed/{r}"]) else None
             except Exception:  # noqa: BLE001 - its host is gone; the status alone names the rank
                 error = None
             messages.append(f"{self.describe(r)} failed" + (f": {error}" if error else " (its error is above)"))
         return "; ".join(messages)
+
+    def _ranks(self, text: bytes) -> set[int]:
+        words = text.decode(errors="replace").split(",")
+        return {int(w) for w in words if w.isdigit() and int(w) < self.world_size}
 
     def _learn(self, message: str) -> None:
         with self._lock:
@@ -279,3 +299,31 @@ class PeerWatchdog:
         self._learnt.set()
         if not claimed and self._status != FAILED:
             self.on_failure(message)
+
+
+def share_token(group: dist.ProcessGroup, rank: int) -> str:
+    """A random token, drawn on rank 0 and broadcast over ``group`` (a collective of its ranks; rank 0 is one).
+
+    Args:
+        group: A group of every rank.
+        rank: This process's global rank.
+    """
+    drawn = secrets.token_bytes(TOKEN_BYTES) if rank == 0 else bytes(TOKEN_BYTES)
+    token = torch.tensor(list(drawn), dtype=torch.uint8)
+    dist.broadcast(token, src=0, group=group)
+    return bytes(token.tolist()).hex()
+
+
+def printable(raw: bytes | str, limit: int = TEXT_LIMIT) -> str:
+    """``raw`` as text fit to print: at most ``limit`` characters, line breaks and tabs as spaces, every other
+    character that does not print (escape sequences, other controls) as ``?``.
+
+    Args:
+        raw: What was read from the store (undecodable bytes become U+FFFD).
+        limit: Characters kept; a longer text ends in ``...``.
+    """
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    cut = len(text) > limit
+    text = text[: limit - 3] if cut else text
+    text = "".join(c if c.isprintable() else " " if c in "\n\r\t" else "?" for c in text)
+    return text + "..." if cut else text

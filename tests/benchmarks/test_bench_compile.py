@@ -32,5 +32,7 @@ def test_quick_run_with_inductor(tmp_path):
     first = report["first_step"]
     assert first["loss_abs_diff"] <= 1e-4
     assert first["grad_abs_diff"] <= 1e-4 * max(1.0, first["grad_max_abs"])
-    frames = report["dynamo_frames"]
-    assert frames["after_warmup"] >= 1 and frames["end"] == frames["after_warmup"]
+    counts = report["dynamo"]
+    assert counts["after_warmup"]["frames"] >= 1 and counts["end"] == counts["after_warmup"]
+    assert counts["end"]["recompiles"] == counts["end"]["graph_breaks"] == 0
+    assert report["host_us_per_block"]["eager"] > 0 and report["host_us_per_block"]["compiled"] > 0

@@ -249,3 +249,23 @@ def test_an_unimportable_class_path_is_one_line_that_says_what_to_do(tmp_path, c
     errors = [line for line in result.stderr.splitlines() if line.strip() and "Tip:" not in line]
     assert len(errors) == 1, result.stderr
     assert f"cannot import class_path '{class_path}'" in errors[0] and expected in errors[0], errors[0]
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_another_model_is_refused_and_every_rank_exits_with_status_1(tmp_path):
+    tiny_project(tmp_path)
+    config = tmp_path / "config.yaml"
+    config.write_text(TINY_CONFIG.replace("enable_checkpointing: false", "enable_checkpointing: true"))
+    saved = run_command([sys.executable, "-m", "lightning_async_pp", "fit", "--config", "config.yaml"], tmp_path)
+    assert saved.returncode == 0, (saved.stdout + saved.stderr)[-3000:]
+    (checkpoint,) = (tmp_path / "runs").rglob("*.ckpt")
+    command = [sys.executable, "-m", "lightning_async_pp", "fit", "--config", "config.yaml", "--trainer.devices", "2"]
+    result = run_command([*command, "--model.init_args.channels", "16", "--ckpt_path", checkpoint], tmp_path)
+    output = result.stdout + result.stderr
+    # Not 137: Lightning's watch over the children used to SIGKILL the job while its ranks were ending cleanly.
+    assert result.returncode == 1, output[-3000:]
+    for rank, stage in ((0, 1), (1, 0)):
+        assert (
+            f"rank {rank} (stage {stage} of 2) failed: ValueError: The checkpoint {checkpoint} holds another model"
+            in output
+        )

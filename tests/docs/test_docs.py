@@ -293,3 +293,57 @@ def test_mkdocs_nav_lists_every_page():
     assert listed <= pages | BENCHMARK_REPORTS, (
         f"nav entries without a page: {sorted(listed - pages - BENCHMARK_REPORTS)}"
     )
+
+
+def _leaves(tree, prefix=()):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, (*prefix, key))
+    else:
+        yield prefix, tree
+
+
+def test_complete_config_is_the_quickstart_spelled_out():
+    """configuration.md's complete config sets every value quickstart.yaml sets, to the same value, and spells
+    out every strategy argument (but Lightning's plug-ins) with its default where the quickstart leaves it."""
+    import inspect
+    from datetime import timedelta
+
+    from lightning_async_pp import AsyncPipelineStrategy
+
+    text = (DOCS / "configuration.md").read_text()
+    section = text.split("## A complete config", 1)[1]
+    complete = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    quickstart = yaml.safe_load((ROOT / "examples/configs/quickstart.yaml").read_text())
+    spelled = dict(_leaves(complete))
+    for path, value in _leaves(quickstart):
+        assert spelled.get(path, "(missing)") == value, f"{'.'.join(path)}: the quickstart sets {value!r}"
+
+    plugins = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    parameters = {n: p for n, p in inspect.signature(AsyncPipelineStrategy).parameters.items() if n not in plugins}
+    strategy = complete["trainer"]["strategy"]["init_args"]
+    assert set(strategy) == set(parameters), f"spelled {sorted(strategy)}, arguments {sorted(parameters)}"
+    given = quickstart["trainer"]["strategy"]["init_args"]
+    for name, parameter in parameters.items():
+        if name in given:
+            continue
+        shown, default = strategy[name], parameter.default
+        if isinstance(default, timedelta):
+            hours, minutes, seconds = map(int, str(shown).split(":"))
+            shown = timedelta(hours=hours, minutes=minutes, seconds=seconds)
+        assert shown == default, f"strategy.{name}: the complete config has {shown!r}, the default is {default!r}"
+
+
+def test_paths_of_tests_named_in_the_project_exist():
+    """A test file that a doc, a config or a comment points to is there (files move between tiers)."""
+    named = re.compile(r"\btests/[\w/]+\.py\b")
+    texts = [ROOT / "pyproject.toml", ROOT / "mkdocs.yml", ROOT / "Makefile", *PAGES]
+    texts += [*ROOT.glob("lightning_async_pp/**/*.py"), *ROOT.glob("docs/*.py"), *ROOT.glob("benchmarks/*.py")]
+    texts += [*ROOT.glob("scripts/*.py"), *ROOT.glob("tests/**/*.py")]
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in texts
+        for name in named.findall(path.read_text())
+        if not (ROOT / name).exists()
+    ]
+    assert not missing, f"stale test paths: {missing}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,8 @@ def test_no_import_cycle():
         ("reference", "lightning"),
         ("optim", "lightning_async_pp.runtime"),
         ("optim", "lightning_async_pp.strategy"),
+        ("runtime", "lightning_async_pp.optim"),
+        ("models", "lightning_async_pp.strategy"),
     ],
 )
 def test_layer_does_not_import(layer, forbidden):
@@ -104,7 +107,7 @@ def test_layer_does_not_import(layer, forbidden):
 
 
 def test_only_the_strategy_layer_drives_lightning_pytorch():
-    allowed = ("strategy", "module", "cli", "models", "demos", "checkpoint")
+    allowed = ("strategy", "module", "meta", "cli", "models", "demos", "checkpoint")
     offenders = [
         name
         for name in MODULES
@@ -161,3 +164,40 @@ def test_the_checks_can_fail():
     )
     assert too_long({"m": long_function}) == [f"m.f: {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"]
     assert too_long({"m": long_class}) == [f"m.C: {MAX_CLASS_LINES + 1} lines (at most {MAX_CLASS_LINES})"]
+
+
+DOC = ROOT.parent / "docs" / "architecture.md"
+
+
+def layer_of(name: str) -> str:
+    """A module's layer: its folder under the package, or itself for a module at the top level."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _text_blocks(section: str) -> list[str]:
+    text = DOC.read_text().split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```text\n(.*?)```", text, re.S)
+
+
+def test_the_diagram_of_the_architecture_page_is_the_import_graph():
+    drawn: dict[str, set[str]] = {}
+    for line in _text_blocks("Import rules")[0].splitlines():
+        sources, targets = (part.strip() for part in line.split("──>"))
+        for source in sources.split(", "):
+            drawn[source] = set() if targets.startswith("(nothing") else set(targets.split(", "))
+    real: dict[str, set[str]] = {}
+    for name in MODULES:
+        real.setdefault(layer_of(name), set()).update(
+            layer_of(dep) for dep in internal_dependencies(name) if layer_of(dep) != layer_of(name)
+        )
+    assert set(drawn) == set(real), f"layers drawn {sorted(drawn)}, in the package {sorted(real)}"
+    wrong = {layer: (sorted(drawn[layer]), sorted(real[layer])) for layer in real if drawn[layer] != real[layer]}
+    assert not wrong, f"layer: (drawn, imported): {wrong}"
+
+
+def test_the_architecture_page_lists_every_module():
+    listing = _text_blocks("Layers")[0]
+    listed = set(re.findall(r"^ *([\w.]+\.py) ", listing, re.M))
+    missing = [name for name, path in MODULES.items() if path.name != "__init__.py" and path.name not in listed]
+    assert not missing, f"docs/architecture.md's file list lacks {missing}"

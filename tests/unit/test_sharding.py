@@ -11,9 +11,10 @@ from lightning.pytorch import Callback, LightningModule
 from torch import nn
 
 from lightning_async_pp.optim import PER_PARAMETER_OPTIMIZERS, DelayCorrected, Muon, updates_per_parameter
-from lightning_async_pp.runtime.sharding import check_shardable, keep_owned, plan_owners
+from lightning_async_pp.runtime.sharding import keep_owned, plan_owners
 from lightning_async_pp.schedule import Op, step_actions, updates_settled_by
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step
+from lightning_async_pp.strategy.stage_runtime import check_shardable
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 8])
@@ -44,6 +45,7 @@ OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "muon": lambda params: Muon(params, lr=0.02, adamw_lr=1e-2, ns_dtype="float32"),
+    "corrected": lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)),
     "corrected_auto": lambda params: DelayCorrected(torch.optim.AdamW(params, lr=1e-2), coefficient="auto"),
 }
 

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -55,11 +56,14 @@ def make_optimizer(name: str):
 
 
 class FaultInjector(Callback):
-    def __init__(self, kill_rank, nan_step, fail_step) -> None:
-        self.kill_rank, self.nan_step, self.fail_step = kill_rank, nan_step, fail_step
+    """Kills rank ``kill_rank`` at ``fail_step`` (noting the wall time in ``out/killed_at``), or makes losses NaN."""
+
+    def __init__(self, kill_rank, nan_step, fail_step, out) -> None:
+        self.kill_rank, self.nan_step, self.fail_step, self.out = kill_rank, nan_step, fail_step, Path(out)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.kill_rank == trainer.global_rank and trainer.global_step == self.fail_step:
+            (self.out / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if self.nan_step is not None and trainer.global_step == self.nan_step:
             loss = pl_module.pipeline_loss
@@ -173,7 +177,7 @@ def _run(args: argparse.Namespace) -> None:
         activation_checkpointing=args.recompute,
     )
     recorder = Recorder()
-    callbacks = [recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step), StopAt(args.stop_at)]
+    callbacks = [recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step, args.out), StopAt(args.stop_at)]
     if args.checkpoint_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import textwrap
@@ -115,22 +114,24 @@ def test_corrupt_shard_content_is_named(tmp_path):
         )
 
 
-def test_index_that_is_not_a_checkpoint_index_is_not_unpickled(tmp_path):
-    import pickle
+@pytest.mark.parametrize("resume", ["path", "hpc"])
+def test_crafted_index_is_not_unpickled_on_resume(tmp_path, resume):
+    """A checkpoint folder whose index calls os.system through a dotted name, given as ``ckpt_path`` or planted
+    where SLURM's auto-resume looks (``hpc_ckpt_1.ckpt`` in the root folder, ``ckpt_path="hpc"``)."""
+    from tests.unit.checkpoint.test_safe_index import _crafted
 
-    path, _ = _single_device_checkpoint(tmp_path)
-
-    class Boom:
-        def __reduce__(self):
-            return (os.system, ("echo unpickled > " + str(tmp_path / "pwned"),))
-
-    (path / ".metadata").write_bytes(pickle.dumps(Boom()))
-    with pytest.raises(RuntimeError, match=r"index .*\.metadata is truncated or corrupt.*posix.system|os.system"):
+    path = tmp_path / "hpc_ckpt_1.ckpt"
+    path.mkdir()
+    torch.save({}, path / "meta.pt")
+    (path / ".metadata").write_bytes(_crafted(tmp_path / "pwned")["dotted-filesystem-os"])
+    refused = r"Refused to read the checkpoint .*hpc_ckpt_1\.ckpt.*refers to .*os\.system"
+    with pytest.raises(RuntimeError, match=refused):
         fit(
             tiny_gpt(n_layer=4),
             random_batches(4),
             strategy=AsyncPipelineStrategy(num_microbatches=2),
-            ckpt_path=str(path),
+            ckpt_path=str(path) if resume == "path" else "hpc",
+            default_root_dir=tmp_path,
         )
     assert not (tmp_path / "pwned").exists()
 

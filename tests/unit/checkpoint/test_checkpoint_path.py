@@ -1,4 +1,4 @@
-"""What `check_checkpoint_path` lets through: both torch.save formats, directories and missing paths."""
+"""What `check_checkpoint_path` lets through: both torch.save formats, sharded directories and Lightning's names."""
 
 from __future__ import annotations
 
@@ -8,12 +8,23 @@ import torch
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 
 
-def test_torch_save_files_directories_and_missing_paths_pass(tmp_path):
+def test_torch_save_files_sharded_directories_and_lightnings_names_pass(tmp_path):
     torch.save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "zip.ckpt")
     torch.save({"w": torch.ones(2)}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
     (tmp_path / "sharded.ckpt").mkdir()
-    for name in ("zip.ckpt", "legacy.ckpt", "sharded.ckpt", "missing.ckpt"):
+    (tmp_path / "sharded.ckpt" / ".metadata").write_bytes(b"")  # the index: its content is the loader's to check
+    for name in ("zip.ckpt", "legacy.ckpt", "sharded.ckpt"):
         check_checkpoint_path(tmp_path / name)
+    for name in ("last", "best", "hpc", "registry", "registry:model:v1", "s3://bucket/model.ckpt"):
+        check_checkpoint_path(name)  # Lightning resolves these in every process
+
+
+def test_a_missing_path_and_a_directory_without_an_index_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing\.ckpt' does not exist"):
+        check_checkpoint_path(tmp_path / "missing.ckpt")
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(ValueError, match=r"logs' is a directory without `\.metadata`.*meta\.pt"):
+        check_checkpoint_path(tmp_path / "logs")
 
 
 @pytest.mark.parametrize("content", [b"", b"hello\n", b'{"json": 1}'])

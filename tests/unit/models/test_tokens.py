@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -77,7 +79,7 @@ def test_bad_sources_say_what_is_wrong(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"content": "no text field"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1 has no string field"):
         write_token_file([tmp_path / "bad.jsonl"], tmp_path / "out.bin")
-    assert not (tmp_path / "out.bin").exists() and not (tmp_path / ".out.bin.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no token file, no partial file
     with pytest.raises(FileNotFoundError, match="does not exist"):
         write_token_file([tmp_path / "missing.txt"], tmp_path / "out.bin")
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
@@ -117,6 +119,32 @@ def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path):
     data.trainer = trainer
     with pytest.raises(ValueError, match="model's vocab_size is 512. Set the model's vocab_size to at least 600"):
         data.setup("fit")
+
+
+def test_ids_above_the_headers_largest_stop_training_naming_file_offset_and_id(tmp_path):
+    path = tmp_path / "train.bin"
+    info = position_file(path, 60_000)  # ids up to 59,999 ...
+    replace(info, vocab_size=257, max_token_id=256).write(path)  # ... under a header that says 256
+    data = TokenFileDataModule(str(path), block_size=8, batch_size=4, batch_format="pairs", val_fraction=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ValueError, match=r"above the largest id its header .*train\.json gives") as error:
+        trainer.fit(tiny_gpt(vocab_size=512), data)  # the header passes the vocabulary check: 257 <= 512
+    found = re.search(
+        r"Token file (\S+) holds id ([\d,]+) at token ([\d,]+), .*max_token_id 256, vocab_size 257", str(error.value)
+    )
+    assert found is not None, str(error.value)
+    assert found[1] == str(path)
+    # Token i of this file is id i: the offset named is where the id was read.
+    assert found[2] == found[3] and int(found[2].replace(",", "")) > 256
 
 
 # --- the order of the windows -----------------------------------------------------------------------------------

@@ -158,6 +158,35 @@ def test_lightning_hook_uniform_profile_equals_2bw_strategy():
     assert losses == ref_losses
     assert torch.equal(flat_weights(profiled), flat_weights(reference))
 
+    # Both sides above use DelayedWeights' machinery; a loop written out by hand checks the trajectory itself.
+    hand_losses, hand_weights = _delayed_by_hand(tiny_gpt(), batches, num_microbatches=2)
+    assert losses == pytest.approx(hand_losses, rel=1e-5)
+    torch.testing.assert_close(flat_weights(profiled), hand_weights, rtol=1e-5, atol=1e-6)
+    _, undelayed = _delayed_by_hand(tiny_gpt(), batches, num_microbatches=2, delay=0)
+    assert not torch.allclose(hand_weights, undelayed, rtol=1e-4, atol=1e-5)
+
+
+def _delayed_by_hand(model, batches, num_microbatches, delay=1):
+    """The delayed trajectory as a plain loop: the step-t gradient of each micro-batch's mean loss, taken at
+    w[t - delay] (w[-1] = w[0]), averaged over the micro-batches, stepped by the module's optimizer on w[t]."""
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    optimizer = model.configure_optimizers()
+    history = [[p.detach().clone() for p in params]]
+    losses = []
+    for t, batch in enumerate(batches):
+        stale = [w.clone().requires_grad_() for w in history[max(t - delay, 0)]]
+        total = 0.0
+        for micro in zip(*(x.chunk(num_microbatches) for x in batch)):
+            output = functional_call(model, dict(zip(names, stale)), (model.pipeline_inputs(micro),))
+            total = total + model.pipeline_loss(output, micro) / num_microbatches
+        losses.append(total.item())
+        for p, g in zip(params, torch.autograd.grad(total, stale)):
+            p.grad = g
+        optimizer.step()
+        history.append([p.detach().clone() for p in params])
+    return losses, flat_weights(model)
+
 
 def test_history_holds_exactly_the_delayed_versions():
     model = nn.Linear(2, 2, bias=False)

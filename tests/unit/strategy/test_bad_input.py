@@ -32,6 +32,7 @@ def test_accumulate_grad_batches_is_refused():
 class PlainModule(LightningModule):
     def __init__(self):
         super().__init__()
+        torch.manual_seed(0)
         self.net = torch.nn.Linear(16, 1)
 
     def training_step(self, batch, batch_idx):
@@ -46,12 +47,30 @@ def test_microbatches_need_the_pipeline_contract():
         fit(PlainModule(), random_batches(2), strategy=AsyncPipelineStrategy(num_microbatches=2))
 
 
+def _sgd_trajectory(model, batches, delay):
+    """Plain SGD by hand: each step's gradient is taken on the weights of ``delay`` steps before."""
+    weights = [[p.detach().clone() for p in model.parameters()]]
+    losses = []
+    for t, batch in enumerate(batches):
+        weight, bias = stale = [w.clone().requires_grad_() for w in weights[max(t - delay, 0)]]
+        loss = torch.nn.functional.linear(batch[0].float(), weight, bias).pow(2).mean()
+        losses.append(loss.item())
+        grads = torch.autograd.grad(loss, stale)
+        weights.append([w - 0.1 * g for w, g in zip(weights[-1], grads)])
+    return losses, weights[-1]
+
+
 def test_plain_module_trains_delayed_with_one_microbatch():
+    """A module without the pipeline contract follows the one-step delayed trajectory, not the plain one."""
+    batches = random_batches(4)
+    delayed_losses, delayed = _sgd_trajectory(PlainModule(), batches, delay=1)
+    _, plain = _sgd_trajectory(PlainModule(), batches, delay=0)
     model = PlainModule()
-    before = model.net.weight.detach().clone()
-    losses = fit(model, random_batches(3), strategy=AsyncPipelineStrategy(schedule="2bw"))
-    assert len(losses) == 3
-    assert not torch.equal(before, model.net.weight)
+    losses = fit(model, batches, strategy=AsyncPipelineStrategy(schedule="2bw"))
+    assert losses == pytest.approx(delayed_losses, rel=1e-6)
+    for param, want, undelayed in zip(model.parameters(), delayed, plain):
+        torch.testing.assert_close(param.detach(), want, rtol=1e-6, atol=1e-7)
+        assert not torch.allclose(want, undelayed, rtol=1e-4, atol=1e-6)
 
 
 def test_a_file_that_is_not_a_checkpoint_is_refused_on_one_device(tmp_path):

@@ -151,3 +151,31 @@ def test_scheduler_warning_reads_the_optimizer_flag():
 
     source = inspect.getsource(torch.optim.lr_scheduler.LRScheduler)
     assert '"_opt_called"' in source and "before `optimizer.step()`" in source
+
+
+def test_the_cli_reads_a_checkpoints_hyperparameters_between_parsing_and_building():
+    # lightning_async_pp.cli checks ckpt_path in parse_arguments and words the errors of _parse_ckpt_path.
+    from lightning.pytorch.cli import LightningCLI
+
+    source = inspect.getsource(LightningCLI.__init__)
+    order = [
+        source.index(call)
+        for call in ("self.parse_arguments(", "self._parse_ckpt_path()", "self.instantiate_classes()")
+    ]
+    assert order == sorted(order)
+    assert _parameters(LightningCLI._parse_ckpt_path) == ["self"]
+    assert "weights_only=True" in inspect.getsource(LightningCLI._parse_ckpt_path)
+
+
+def test_the_script_launcher_and_its_child_observer():
+    # launch.py's _ScriptLauncher repeats Lightning's `launch` with another observer (a _ChildProcessObserver).
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    source = inspect.getsource(_SubprocessScriptLauncher.launch)
+    for line in ("self._call_children_scripts()", "_launch_process_observer(self.procs)", "_set_num_threads_if_needed"):
+        assert line in source, line
+    assert _parameters(_ChildProcessObserver.__init__) == ["self", "main_pid", "child_processes", "sleep_period"]
+    assert _parameters(_ChildProcessObserver._run) == ["self"]
+    assert _parameters(_ChildProcessObserver._terminate_all) == ["self"]
+    assert "self._child_processes" in inspect.getsource(_ChildProcessObserver.__init__)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_async_pp import AsyncPipelineStrategy
-from lightning_async_pp.strategy.launch import check_train_loader
+from lightning_async_pp.strategy.launch import check_datamodule, check_train_loader
 from tests.fixtures.helpers import loader, random_batches, tiny_gpt
 
 
@@ -138,3 +138,18 @@ def test_a_short_last_batch_is_refused_before_any_process_starts(no_launch):
     t = trainer(trainer_kwargs={"max_steps": -1, "max_epochs": 1})
     with pytest.raises(ValueError, match=r"holds 2 samples \(10 samples in batches of 4\).*drop_last=True"):
         t.fit(tiny_gpt(), DataLoader(TensorDataset(tokens, targets), batch_size=4))
+
+
+class _HparamsData(LightningDataModule):
+    def __init__(self, batch_size: int = 8):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_a_data_modules_batch_size_is_read_from_its_attribute_or_hyperparameters():
+    with pytest.raises(ValueError, match=r"_HparamsData's batch_size=6 cannot be split into num_microbatches=4"):
+        check_datamodule(_HparamsData(batch_size=6), 4, num_stages=2)
+    check_datamodule(_HparamsData(batch_size=8), 4, num_stages=2)
+    check_datamodule(LightningDataModule(), 4, num_stages=2)  # no batch size to check: checked batch by batch
+    with pytest.raises(ValueError, match="num_microbatches='auto' needs at least one sample per pipeline stage"):
+        check_datamodule(_HparamsData(batch_size=2), None, num_stages=4)

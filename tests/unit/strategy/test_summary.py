@@ -117,3 +117,17 @@ def test_epoch_without_total_when_max_epochs_unset(capsys):
     assert rich == tqdm == ["Epoch 0", "Epoch 1", "Epoch 2"]
     _, bounded, _ = fit_one_device(RichProgressBar(), capsys, max_epochs=2, enable_model_summary=False)
     assert bounded == ["Epoch 0/1", "Epoch 1/1"]
+
+
+def test_user_guide_example_is_the_table_of_its_model():
+    """The summary printed in user-guide.md is what `pipeline_table` gives for the model the text names."""
+    from lightning_async_pp.demos import GPT
+    from tests.fixtures.helpers import ROOT
+
+    text = (ROOT / "docs" / "user-guide.md").read_text().split("### The model summary", 1)[1]
+    named = "A 4-block demo GPT (`n_embd=32`, `block_size=16`, `tie_weights=True`) on 2 stages x 2 replicas"
+    assert named in " ".join(text.split())
+    shown = text.split("```text\n", 1)[1].split("```", 1)[0].rstrip("\n")
+    stages, ties, _ = split(GPT(n_layer=4, n_embd=32, block_size=16, tie_weights=True), 2)
+    title = "Pipeline of 2 stages x 2 replicas, schedule '2bw':"
+    assert pipeline_table(stages, [[2, 3], [0, 1]], ties, title=title) == shown

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -149,11 +152,11 @@ def test_logged_mfu_on_cpu_equals_the_hand_computation():
     torch.manual_seed(0)
     model = tiny_gpt(n_layer=N_LAYER, n_embd=N_EMBD, block_size=BLOCK)
     by_hand = gpt_flops_per_token(model)
-    peak, recorder = 5e9, Recorder()
+    peak, recorder, clock = 5e9, Recorder(), WallClock()
     monitor = PipelineThroughputMonitor(peak_flops=peak)
     batches = random_batches(6, batch_size=4, block=BLOCK)
     strategy = AsyncPipelineStrategy(num_microbatches=2)
-    fit(model, batches, strategy, logger=recorder, log_every_n_steps=2, callbacks=[monitor])
+    fit(model, batches, strategy, logger=recorder, log_every_n_steps=2, callbacks=[monitor, clock])
     logged = [(step, m) for step, m in recorder.logged if "throughput/mfu" in m]
     assert [step for step, _ in logged] == [1, 3, 5]
     assert monitor.flops_per_item == by_hand  # the micro-batch's count, per token
@@ -162,6 +165,24 @@ def test_logged_mfu_on_cpu_equals_the_hand_computation():
         assert tokens_per_sec * m["throughput/sec_per_step"] == pytest.approx(4 * BLOCK)
         assert m["throughput/tokens_per_sec_per_replica"] == tokens_per_sec
         assert m["throughput/mfu"] == pytest.approx(by_hand * tokens_per_sec / peak, rel=0.01)
+    # The logged time is wall time: two steps between logs, each holding the clock's sleep.
+    for (_, m), (before, after) in zip(logged[1:], [(1, 3), (3, 5)]):
+        elapsed = clock.times[after] - clock.times[before]
+        assert 2 * m["throughput/sec_per_step"] == pytest.approx(elapsed, rel=0.1)
+        assert m["throughput/sec_per_step"] >= WallClock.SLEEP
+
+
+class WallClock(Callback):
+    """Notes the wall time after each step's other callbacks, then sleeps: time a wrong clock would miss."""
+
+    SLEEP = 0.05
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.times.append(time.perf_counter())
+        time.sleep(self.SLEEP)
 
 
 def test_installed_by_the_strategy_with_a_logger_only():

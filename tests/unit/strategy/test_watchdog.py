@@ -9,10 +9,11 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_async_pp.strategy import watchdog as watchdog_module
-from lightning_async_pp.strategy.watchdog import FAILED, FINISHED, PeerWatchdog
+from lightning_async_pp.strategy.watchdog import FAILED, FINISHED, TEXT_LIMIT, PeerWatchdog, printable
 
 
 class _Work:
@@ -40,7 +41,12 @@ def _heartbeat(monkeypatch, others: dict[int, int] | None, error: str | None = N
     monkeypatch.setattr(watchdog_module, "ROLL_CALL_S", 0.3)
 
 
-def _watchdog(store: dist.Store, rank: int = 0, world_size: int = 3) -> tuple[PeerWatchdog, list[str], threading.Event]:
+TOKEN = "0123abcd"
+
+
+def _watchdog(
+    store: dist.Store, rank: int = 0, world_size: int = 3, token: str | None = TOKEN
+) -> tuple[PeerWatchdog, list[str], threading.Event]:
     calls: list[str] = []
     called = threading.Event()
 
@@ -50,14 +56,22 @@ def _watchdog(store: dist.Store, rank: int = 0, world_size: int = 3) -> tuple[Pe
 
     group = SimpleNamespace(group_name="test")
     dog = PeerWatchdog(
-        group, rank, world_size, lambda r: f"stage {2 - r} (rank {r})", timedelta(seconds=5), on_failure, store, 0.05
+        group,
+        rank,
+        world_size,
+        lambda r: f"stage {2 - r} (rank {r})",
+        timedelta(seconds=5),
+        on_failure,
+        store,
+        0.05,
+        token,
     )
     return dog, calls, called
 
 
-def _peer_store(store: dist.Store) -> dist.Store:
-    """The store as another rank's watchdog of the same group sees it."""
-    return dist.PrefixStore("async_pp/watchdog/test/", store)
+def _peer_store(store: dist.Store, token: str = TOKEN) -> dist.Store:
+    """The store as another rank's watchdog of the same job sees it."""
+    return dist.PrefixStore(f"async_pp/watchdog/{token}/", store)
 
 
 def test_a_reported_failure_reaches_on_failure_with_the_error(monkeypatch):
@@ -141,6 +155,90 @@ def test_rank_0_holds_the_store_until_every_survivor_read_it(monkeypatch):
 
 
 def test_other_ranks_do_not_hold_the_store(monkeypatch):
+    """Only rank 0 waits for the others to read the store; rank 1 returns at once although nobody has read it."""
     _heartbeat(monkeypatch, {1: FINISHED, 2: FINISHED})
     dog, _, _ = _watchdog(dist.HashStore(), rank=1)
-    dog.hold_store(limit=1e6)  # returns at once: a hang here is the failure
+    holding = threading.Thread(target=dog.hold_store, kwargs={"limit": 60.0}, daemon=True)
+    holding.start()
+    holding.join(timeout=5.0)
+    assert not holding.is_alive(), "rank 1 waits for the other ranks to read the store, as only rank 0 should"
+
+
+def _job(store: dist.Store, drawn: list[torch.Tensor]) -> list[PeerWatchdog]:
+    """Ranks 0 and 1 of one job make their watchdogs; the broadcast over the group is played by ``drawn``: rank 0's
+    tensor is recorded and rank 1 receives it."""
+
+    def broadcast(tensor, src=None, group=None, **kwargs):
+        assert src == 0
+        if group.rank == 0:
+            drawn.append(tensor.clone())
+        else:
+            tensor.copy_(drawn[-1])
+
+    dogs = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(watchdog_module.dist, "broadcast", broadcast)
+        for rank in (0, 1):
+            group = SimpleNamespace(group_name="test", rank=rank)
+            dogs.append(PeerWatchdog(group, rank, 2, str, timedelta(seconds=5), print, store, 0.05))
+    return dogs
+
+
+def test_the_keys_start_with_a_token_rank_0_shares_over_the_group():
+    """The ranks of one job share their keys (what one reports, the other reads); another job's keys differ; and
+    the token itself never enters the store, where anyone who reaches it could read it."""
+    store, drawn = dist.HashStore(), []
+    first, second = _job(store, drawn), _job(store, drawn)
+    assert len(drawn) == 2 and not torch.equal(drawn[0], drawn[1])
+    first[1].store.set("failed/1", "ValueError: bad batch")
+    assert first[0].store.check(["failed/1"]) and not second[0].store.check(["failed/1"])
+    assert _peer_store(store, bytes(drawn[0].tolist()).hex()).get("failed/1") == b"ValueError: bad batch"
+    assert store.num_keys() == 1  # the failure only
+
+
+def test_keys_under_the_old_predictable_names_are_ignored(monkeypatch):
+    """Someone who reaches the store writes a failure and a verdict where the watchdog used to look
+    (``async_pp/watchdog/<group name>/``): the job is not stopped, nor told their message."""
+    store = dist.HashStore()
+    old = dist.PrefixStore("async_pp/watchdog/test/", store)
+    for key, value in (("broken", "1"), ("failed/1", "stop now"), ("gone", "1"), ("verdict", "stop now")):
+        old.set(key, value)
+    _heartbeat(monkeypatch, {1: FINISHED, 2: FINISHED})
+    dog, calls, _ = _watchdog(store)
+    assert not dog._store_says_broken()
+    dog.start()
+    assert dog.finish()
+    assert calls == [] and dog.peer_failure is None
+    # A reported failure is still read, from the keys of the job's token, without the planted text.
+    _peer_store(store).set("failed/1", "ValueError: real")
+    assert dog._failures([1]) == "stage 1 (rank 1) failed: ValueError: real"
+
+
+def test_what_is_read_back_is_cut_and_printable(monkeypatch):
+    """A reported error is printed by every other rank: control characters (terminal escapes, a forged line of
+    output) and an unbounded length do not get through."""
+    store = dist.HashStore()
+    _peer_store(store).set("failed/1", "boom\x1b[2J\rrank 0: all good\n\u202eevil\x00" + "x" * 10**6)
+    _peer_store(store).set("failed/2", b"\xff\xfe not utf-8")
+    dog, _, _ = _watchdog(store)
+    message = dog._failures([1, 2])
+    assert all(c.isprintable() for c in message)
+    assert len(message) < TEXT_LIMIT + 200
+    assert "boom?[2J rank 0: all good ?evil?xxx" in message
+    assert message.endswith("...; stage 0 (rank 2) failed: \ufffd\ufffd not utf-8")
+    assert printable("a\tb", limit=10) == "a b" and printable("x" * 11, limit=10) == "x" * 7 + "..."
+
+
+def test_a_verdict_with_garbage_ranks_is_read(monkeypatch):
+    """The list of dead ranks another survivor wrote is parsed defensively: words that are not ranks of the job
+    are dropped, the verdict still reaches ``on_failure``."""
+    store = dist.HashStore()
+    peer = _peer_store(store)
+    peer.set("gone", "1,x,99,-2")
+    peer.set("verdict", "stage 1 (rank 1) died\x07")
+    _heartbeat(monkeypatch, None, error="Connection reset by peer")
+    monkeypatch.setattr(watchdog_module, "ROLL_CALL_S", 30.0)
+    dog, calls, called = _watchdog(store, rank=2)
+    dog.start()
+    assert called.wait(5)
+    assert calls == ["stage 1 (rank 1) died?"] and dog._gone == {1}

@@ -1,0 +1,127 @@
+"""Removing a checkpoint deletes only a checkpoint in a folder the run saves into, whatever path it is given."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp.checkpoint import ShardedCheckpointIO
+from lightning_async_pp.checkpoint.layout import SHARD_KEY
+from tests.fixtures.helpers import loader, random_batches, tiny_gpt
+
+
+def _save(io: ShardedCheckpointIO, path) -> None:
+    io.save_checkpoint({SHARD_KEY: True, "shard": {"w": torch.ones(2)}, "meta": {"global_step": 1}}, path)
+
+
+def _tree(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.fixture
+def layout(tmp_path):
+    """``run/checkpoints`` (saved into by ``io``) and, outside it, a checkpoint of another run and a data folder."""
+    io = ShardedCheckpointIO()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    _save(io, checkpoints / "a.ckpt")
+    outside = tmp_path / "outside"
+    _save(ShardedCheckpointIO(), outside / "victim.ckpt")
+    (outside / "data").mkdir()
+    (outside / "data" / "keep.txt").write_text("keep")
+    return io, checkpoints, outside
+
+
+def test_removes_checkpoints_it_saved_beside(layout):
+    io, checkpoints, _ = layout
+    _save(io, checkpoints / "b.ckpt")
+    torch.save({"x": 1}, checkpoints / "c.ckpt")  # a single-file checkpoint
+    io.remove_checkpoint(checkpoints / "a.ckpt")
+    io.remove_checkpoint(str(checkpoints / "c.ckpt"))
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["b.ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("dotdot-checkpoint", "outside the folders this run saves checkpoints into"),
+        ("dotdot-folder", "outside the folders this run saves checkpoints into"),
+        ("dotdot-data", "outside the folders this run saves checkpoints into"),
+        ("absolute", "outside the folders this run saves checkpoints into"),
+        ("link-to-folder", "outside the folders this run saves checkpoints into"),
+        ("folder-not-checkpoint", "is not a checkpoint"),
+        ("file-not-checkpoint", "is not a torch.save file"),
+        ("link-in-other-folder", "a folder this run has not saved a checkpoint into"),
+    ],
+)
+def test_refuses_what_is_not_its_checkpoint(layout, tmp_path, case, reason):
+    io, checkpoints, outside = layout
+    (checkpoints / "notes").mkdir()
+    (checkpoints / "notes" / "n.txt").write_text("n")
+    (checkpoints / "notes.txt").write_text("n")
+    (outside / "link.ckpt").symlink_to(checkpoints / "a.ckpt")
+    (checkpoints / "parent").symlink_to(checkpoints.parent)  # a link whose target's parent is not a saved folder
+    path = {
+        "dotdot-checkpoint": checkpoints / ".." / ".." / "outside" / "victim.ckpt",
+        "dotdot-folder": checkpoints / ".." / "..",  # `<dirpath>/../..` passes Lightning's lexical check
+        "dotdot-data": checkpoints / ".." / ".." / "outside" / "data",
+        "absolute": outside / "victim.ckpt",
+        "link-to-folder": checkpoints / "parent" / "checkpoints" / ".." / ".." / "outside",
+        "folder-not-checkpoint": checkpoints / "notes",
+        "file-not-checkpoint": checkpoints / "notes.txt",
+        "link-in-other-folder": checkpoints / ".." / ".." / "outside" / "link.ckpt",
+    }[case]
+    before = _tree(tmp_path)
+    with pytest.warns(UserWarning, match=f"Did not remove {re.escape(str(path))}: .*{reason}"):
+        io.remove_checkpoint(path)
+    assert _tree(tmp_path) == before
+
+
+def test_link_in_its_folder_is_removed_not_its_target(layout):
+    """``save_last="link"`` leaves links; removing one deletes the link, never what it points to."""
+    io, checkpoints, outside = layout
+    (checkpoints / "last.ckpt").symlink_to(outside / "victim.ckpt")
+    (checkpoints / "data.ckpt").symlink_to(outside / "data")
+    before = _tree(outside)
+    io.remove_checkpoint(checkpoints / "last.ckpt")
+    io.remove_checkpoint(checkpoints / "data.ckpt")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["a.ckpt"]
+    assert _tree(outside) == before
+
+
+def _trainer(checkpoints, steps: int) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=1)],
+    )
+
+
+def test_crafted_checkpoint_cannot_make_a_resume_delete_outside(tmp_path):
+    """A checkpoint whose ModelCheckpoint state names `<dirpath>/../victim.ckpt`, resumed: that folder stays."""
+    checkpoints = tmp_path / "checkpoints"
+    _trainer(checkpoints, 2).fit(tiny_gpt(), loader(random_batches(2)))
+    resume = checkpoints / "epoch=0-step=2.ckpt"
+    victim = tmp_path / "victim.ckpt"
+    _save(ShardedCheckpointIO(), victim)  # even a checkpoint of this strategy, outside the folder
+    meta = torch.load(resume / "meta.pt", weights_only=True)
+    (key,) = [k for k in meta["callbacks"] if k.startswith("ModelCheckpoint")]
+    meta["callbacks"][key]["best_model_path"] = str(checkpoints / ".." / "victim.ckpt")
+    torch.save(meta, resume / "meta.pt")
+    before = _tree(victim)
+
+    trainer = _trainer(checkpoints, 3)
+    with pytest.warns(UserWarning, match="Did not remove .*victim.ckpt: it is .*outside the folders"):
+        trainer.fit(tiny_gpt(), loader(random_batches(3)), ckpt_path=str(resume))
+    assert _tree(victim) == before
+    assert (checkpoints / "epoch=1-step=3.ckpt" / "meta.pt").is_file()  # the resumed run saved on
