@@ -407,11 +407,15 @@ class PipelineSchedule:
                 out.append(Action(stage, Op.SEND_F, step, mb, 0))
         return out
 
-    def compute_step(self, num_stages: int, num_microbatches: int, stage: int, step: int, run_start: int) -> list:
+    def compute_step(
+        self, num_stages: int, num_microbatches: int, stage: int, step: int, run_start: int
+    ) -> list[Action]:
         """The forwards, backwards and updates of :meth:`step_actions`, before communication is lowered."""
         raise NotImplementedError
 
-    def compute_drain(self, num_stages: int, num_microbatches: int, stage: int, last_step: int, run_start: int) -> list:
+    def compute_drain(
+        self, num_stages: int, num_microbatches: int, stage: int, last_step: int, run_start: int
+    ) -> list[Action]:
         """The backwards and updates of :meth:`drain_actions`, before communication is lowered."""
         raise NotImplementedError
 

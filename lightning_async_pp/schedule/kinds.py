@@ -43,7 +43,9 @@ class Schedule2BW(PipelineSchedule):
         # a higher stage's UPDATE(t) precedes its forward of the same micro-batch, which needs stage 0's.
         return num_stages - 1
 
-    def compute_step(self, num_stages: int, num_microbatches: int, stage: int, step: int, run_start: int) -> list:
+    def compute_step(
+        self, num_stages: int, num_microbatches: int, stage: int, step: int, run_start: int
+    ) -> list[Action]:
         """For each micro-batch ``m``: ``F(step, m)``, then the backward of ``i - W`` (``W = P-1-s``) if it
         belongs to the run, a backward that completes a step followed by that step's ``UPDATE``."""
         M, warmup = num_microbatches, num_stages - 1 - stage
@@ -55,7 +57,9 @@ class Schedule2BW(PipelineSchedule):
                 out += self._backward(stage, i - warmup, M)
         return out
 
-    def compute_drain(self, num_stages: int, num_microbatches: int, stage: int, last_step: int, run_start: int) -> list:
+    def compute_drain(
+        self, num_stages: int, num_microbatches: int, stage: int, last_step: int, run_start: int
+    ) -> list[Action]:
         """The last ``P-1-s`` backwards (all of ``last_step``, since ``M >= P``) and ``UPDATE(last_step)``."""
         M = num_microbatches
         end = (last_step + 1) * M
@@ -95,7 +99,9 @@ class Schedule1F1B(PipelineSchedule):
     def updates_settled_by(self, num_stages: int) -> int | None:
         return None  # the next step runs on version t + 1 from its first micro-batch
 
-    def compute_step(self, num_stages: int, num_microbatches: int, stage: int, step: int, run_start: int) -> list:
+    def compute_step(
+        self, num_stages: int, num_microbatches: int, stage: int, step: int, run_start: int
+    ) -> list[Action]:
         """``W = min(P-1-s, M)`` warm-up forwards, one forward and one backward alternately, the remaining
         backwards, then ``UPDATE(step)``."""
         M = num_microbatches
@@ -111,7 +117,9 @@ class Schedule1F1B(PipelineSchedule):
         out.append(self.update_action(stage, step, M))
         return out
 
-    def compute_drain(self, num_stages: int, num_microbatches: int, stage: int, last_step: int, run_start: int) -> list:
+    def compute_drain(
+        self, num_stages: int, num_microbatches: int, stage: int, last_step: int, run_start: int
+    ) -> list[Action]:
         return []  # every step ends empty
 
     def last_gradient_before_forward(self, num_stages: int, num_microbatches: int, stage: int, index: int) -> int:
