@@ -20,13 +20,16 @@ the first evaluation batch after training always does too.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_async_pp.runtime import activations
 from lightning_async_pp.runtime.microbatch import batch_size_of, split_microbatches, tensors_of
 from lightning_async_pp.schedule import Op, evaluation_actions, posting_plan
+
+if TYPE_CHECKING:  # the runtime builds its evaluation: a reference back, not an import at run time
+    from lightning_async_pp.runtime.stage import StageRuntime
 
 __all__ = ["JoinedOutput", "PipelineEvaluation", "evaluation_microbatches", "signature_of"]
 
@@ -105,11 +108,11 @@ class PipelineEvaluation:
     """Runs evaluation batches through one stage of a pipeline, on the stage's newest weights.
 
     Args:
-        runtime: The stage's :class:`~lightning_async_pp.runtime.stage.StageRuntime`: its layers, links and
-            message specs.
+        runtime: The stage's :class:`~lightning_async_pp.runtime.stage.StageRuntime`: its layers, its links and
+            its message API (``receive_input``, ``output_message``, ``forget_layouts``).
     """
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: StageRuntime) -> None:
         self.runtime = runtime
         self.signature: Signature | None = None  # of the micro-batches the links' layouts were negotiated for
         self._batches = 0  # evaluation batches run: the schedule's batch index and the tag of their sends
@@ -132,7 +135,7 @@ class PipelineEvaluation:
         microbatches = split_microbatches(batch, count)
         signature = signature_of(microbatches[0])
         if signature != self.signature:
-            rt._forget_layouts()  # every stage holds the same batch, so both ends of each link forget here
+            rt.forget_layouts()  # every stage holds the same batch, so both ends of each link forget here
             self.signature = signature
         index, self._batches = self._batches, self._batches + 1
         actions = evaluation_actions(rt.num_stages, rt.stage, index, count)
@@ -143,7 +146,7 @@ class PipelineEvaluation:
         output, joined = None, JoinedOutput(count) if rt.is_last else None
         for action, post_next in zip(actions, plan.post_next):
             if action.op is Op.RECV_F:
-                received[action.microbatch] = rt._receive_input()[0]
+                received[action.microbatch] = rt.receive_input()[0]
                 if post_next:
                     rt.prev.prefetch()  # the next micro-batch's transfer overlaps this one's forward
             elif action.op is Op.FORWARD:
@@ -154,7 +157,7 @@ class PipelineEvaluation:
                 if joined is not None:
                     joined.add(action.microbatch, output)
             else:
-                rt.next.send(rt._output_message(output)[0], post_recv=post_next, tag=index)
+                rt.next.send(rt.output_message(output)[0], post_recv=post_next, tag=index)
         if joined is None:
             # On gloo a send is let go only by a wait; the previous batch's have long been received.
             rt.next.wait_sends(through=index - 1)

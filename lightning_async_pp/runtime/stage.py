@@ -57,6 +57,7 @@ from lightning_async_pp.schedule import (
     Action,
     Op,
     drain_actions,
+    get_schedule,
     gradients_received_before_forward,
     posting_plan,
     step_actions,
@@ -95,7 +96,8 @@ class StageRuntime:
         inputs_fn: First stage: turns a micro-batch into the first layer's input.
         loss_fn: Last stage: ``loss_fn(output, microbatch)``, a scalar mean over the micro-batch.
         device: Device of the stage.
-        prev_rank: Global rank of the previous stage (``None`` on the first stage).
+        prev_rank: Global rank of the previous stage (``None`` on the first stage); one stage per process
+            (:data:`~lightning_async_pp.schedule.STAGES_PER_PROCESS`).
         next_rank: Global rank of the next stage (``None`` on the last stage).
         clip_grad_norm: Clip the gradient of each step to this global norm (across all stages).
         norm_group: Process group of all stages of this pipeline, for the clipping norm.
@@ -169,7 +171,7 @@ class StageRuntime:
         validate(self.kind, self.num_stages, self.num_microbatches)
         self.module = StageModule(*self.layers)
         self.params = {name: p for name, p in self.module.named_parameters() if p.requires_grad}
-        self.weights = WeightVersions(self.params, 2 if self.kind == "2bw" else 1, self.start_version)
+        self.weights = WeightVersions(self.params, get_schedule(self.kind).num_weight_versions, self.start_version)
         self._swap = ParameterSwap(self.module, self.params)
         cast_dtype = autocast_dtype(self.forward_context, self.device.type) if self.cast_weights else None
         self._casts = WeightCasts(self.module, list(self.params), cast_dtype, self.device.type)
@@ -271,7 +273,7 @@ class StageRuntime:
             self._order.read_checks(oldest_step=step - 2)
         if self.run_start is None:
             self.run_start = step
-            self._forget_layouts()  # evaluation may have sent other shapes since the last run
+            self.forget_layouts()  # evaluation may have sent other shapes since the last run
         self.timer.begin_step(step)
         self.updates.hyperparameters.observe(step)
         self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
@@ -337,9 +339,10 @@ class StageRuntime:
         """Copy ``state`` into the version before the newest one (see :meth:`previous_weights`)."""
         self.weights.load_previous(state)
 
-    # --- messages ----------------------------------------------------------------------------------------
+    # --- messages (also what evaluation sends and receives) ------------------------------------------------
 
-    def _forget_layouts(self) -> None:
+    def forget_layouts(self) -> None:
+        """Negotiate each link's transfer layout again with the next message (shapes may have changed)."""
         # The messages of the old layout go first: on gloo only a wait lets them go, and their tags start over.
         for channel in (self.prev, self.next):
             if channel is not None:
@@ -348,11 +351,13 @@ class StageRuntime:
         self._recv_spec = self._send_spec = None
         self._evaluation.forget()
 
-    def _receive_input(self) -> tuple[Any, Spec]:
+    def receive_input(self) -> tuple[Any, Spec]:
+        """The previous stage's next message, as the value it sent, and its structure."""
         value, self._recv_spec = activations.read_message(self.prev.recv(), self._recv_spec)
         return value, self._recv_spec
 
-    def _output_message(self, y: Any) -> tuple[list[Tensor], Spec]:
+    def output_message(self, y: Any) -> tuple[list[Tensor], Spec]:
+        """``y`` as the tensors of a message to the next stage, after checking it has the run's structure."""
         tensors, spec = activations.message(y)
         if self._send_spec is None:
             self._send_spec = spec
@@ -437,7 +442,7 @@ class StageRuntime:
 
     def _recv_forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
-        self._received[key] = self._receive_input()
+        self._received[key] = self.receive_input()
         # The previous stage ran this forward after the receives its action list puts first: those gradients arrived.
         received = gradients_received_before_forward(
             self.kind, self.num_stages, self.num_microbatches, self.stage - 1, a.step, a.microbatch, self.run_start
@@ -460,7 +465,7 @@ class StageRuntime:
 
     def _send_forward(self, a: Action, post_next: bool) -> None:
         key = (a.step, a.microbatch)
-        self.next.send(self._output_message(self._inflight[key][2])[0], post_recv=post_next, tag=key)
+        self.next.send(self.output_message(self._inflight[key][2])[0], post_recv=post_next, tag=key)
 
     def _send_backward(self, a: Action, post_next: bool) -> None:
         # A message holds at least one tensor: an input without gradients answers with an empty one.

@@ -14,10 +14,10 @@ weight versions are described in :mod:`lightning_async_pp.schedule.ir`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_async_pp.schedule.ir import Action, Op, require_int, require_position, validate, weight_version
+from lightning_async_pp.schedule.ir import Action, Op, PipelineSchedule, get_schedule, require_int, require_position
 
 __all__ = [
     "Schedule",
@@ -36,47 +36,6 @@ __all__ = [
 # --------------------------------------------------------------------------- segments
 
 
-def _compute(kind: str, P: int, M: int, s: int, op: Op, i: int) -> Action:
-    step, mb = divmod(i, M)
-    return Action(s, op, step, mb, weight_version(kind, step), M)
-
-
-def _update(s: int, step: int, M: int) -> Action:
-    return Action(s, Op.UPDATE, step, -1, step + 1, M)
-
-
-def _backward_2bw(P: int, M: int, s: int, i: int) -> list[Action]:
-    out = [_compute("2bw", P, M, s, Op.BACKWARD, i)]
-    if i % M == M - 1:
-        # Update on the stage's own clock as soon as its share of the gradient is complete.
-        out.append(_update(s, i // M, M))
-    return out
-
-
-def _lower(actions: Iterable[Action], num_stages: int) -> list[Action]:
-    """Insert explicit communication: RECV right before its F/B, SEND right after."""
-    out: list[Action] = []
-    for a in actions:
-        first, last = a.stage == 0, a.stage == num_stages - 1
-        if a.op is Op.FORWARD:
-            if not first:
-                out.append(Action(a.stage, Op.RECV_F, a.step, a.microbatch, a.version, a.num_microbatches))
-            out.append(a)
-            if not last:
-                out.append(Action(a.stage, Op.SEND_F, a.step, a.microbatch, a.version, a.num_microbatches))
-        elif a.op is Op.BACKWARD:
-            if not last:
-                out.append(Action(a.stage, Op.RECV_B, a.step, a.microbatch, a.version, a.num_microbatches))
-            out.append(a)
-            # The gradient goes upstream before UPDATE so the previous stage is not
-            # kept waiting by this stage's optimizer.
-            if not first:
-                out.append(Action(a.stage, Op.SEND_B, a.step, a.microbatch, a.version, a.num_microbatches))
-        else:
-            out.append(a)
-    return out
-
-
 def step_actions(
     kind: str,
     num_stages: int,
@@ -92,6 +51,7 @@ def step_actions(
     backward of global micro-batch ``step*M + m - W`` (``W = P-1-stage``) if it
     belongs to the run, each backward that completes a step followed by that
     step's ``UPDATE``. For "1f1b": the whole flushed step, ending with ``UPDATE(step)``.
+    (:meth:`~lightning_async_pp.schedule.ir.PipelineSchedule.step_actions` of the kind.)
 
     Args:
         kind: ``"2bw"`` or ``"1f1b"``.
@@ -103,28 +63,7 @@ def step_actions(
             pipeline was last empty (start of training or after a drain). Ignored by "1f1b".
         with_comm: include explicit send/recv actions.
     """
-    validate(kind, num_stages, num_microbatches)
-    require_position(num_stages, stage, step, run_start)
-    P, M, s = num_stages, num_microbatches, stage
-    out: list[Action] = []
-    if kind == "2bw":
-        warmup = P - 1 - s
-        for m in range(M):
-            i = step * M + m
-            out.append(_compute(kind, P, M, s, Op.FORWARD, i))
-            if i - warmup >= run_start * M:
-                out += _backward_2bw(P, M, s, i - warmup)
-    else:
-        warmup = min(P - 1 - s, M)
-        base = step * M
-        for m in range(M):
-            out.append(_compute(kind, P, M, s, Op.FORWARD, base + m))
-            if m >= warmup:
-                out.append(_compute(kind, P, M, s, Op.BACKWARD, base + m - warmup))
-        for m in range(M - warmup, M):
-            out.append(_compute(kind, P, M, s, Op.BACKWARD, base + m))
-        out.append(_update(s, step, M))
-    return _lower(out, P) if with_comm else out
+    return get_schedule(kind).step_actions(num_stages, num_microbatches, stage, step, run_start, with_comm)
 
 
 def gradients_received_before_forward(
@@ -137,13 +76,10 @@ def gradients_received_before_forward(
     ``i - W - 1`` (``W = P-1-stage``); under "1f1b" the forward of micro-batch ``m`` follows the backwards of the
     step's first ``m - W`` micro-batches, and a step starts after every backward of the one before.
     """
-    validate(kind, num_stages, num_microbatches)
-    M, warmup = num_microbatches, num_stages - 1 - stage
-    if kind == "2bw":
-        received = step * M + microbatch - warmup - 1
-    else:
-        done = microbatch - min(warmup, M)  # backwards of this step before the forward
-        received = step * M + done - 1 if done > 0 else step * M - 1
+    schedule = get_schedule(kind)
+    schedule.validate(num_stages, num_microbatches)
+    M = num_microbatches
+    received = schedule.last_gradient_before_forward(num_stages, M, stage, step * M + microbatch)
     if received < run_start * M:
         return None
     return received // M, received % M
@@ -159,8 +95,9 @@ def updates_settled_by(kind: str, num_stages: int) -> int | None:
     same micro-batch, which needs stage 0's. So whatever the updates of step ``t`` exchanged over all stages (the
     clipping norm, the tied gradients' sums) has been posted by every stage when any stage runs that forward.
     """
-    validate(kind, num_stages, num_stages)
-    return num_stages - 1 if kind == "2bw" else None
+    schedule = get_schedule(kind)
+    schedule.validate(num_stages, num_stages)
+    return schedule.updates_settled_by(num_stages)
 
 
 def drain_actions(
@@ -189,16 +126,7 @@ def drain_actions(
         run_start: first step of the run being drained.
         with_comm: include explicit send/recv actions.
     """
-    validate(kind, num_stages, num_microbatches)
-    require_position(num_stages, stage, last_step, run_start)
-    if kind == "1f1b":
-        return []
-    P, M, s = num_stages, num_microbatches, stage
-    end = (last_step + 1) * M
-    out: list[Action] = []
-    for i in range(max(run_start * M, end - (P - 1 - s)), end):
-        out += _backward_2bw(P, M, s, i)
-    return _lower(out, P) if with_comm else out
+    return get_schedule(kind).drain_actions(num_stages, num_microbatches, stage, last_step, run_start, with_comm)
 
 
 def evaluation_actions(num_stages: int, stage: int, index: int, num_microbatches: int = 1) -> list[Action]:
@@ -207,18 +135,9 @@ def evaluation_actions(num_stages: int, stage: int, index: int, num_microbatches
     Each micro-batch is received, forwarded and sent on before the next one, so stage ``s`` forwards
     micro-batch ``i`` while stage ``s + 1`` forwards ``i - 1``: the stages overlap as in a pipeline's fill.
     ``index`` numbers the batches; they are rendered as step ``-1-index`` (``"1F-1.2"``) and run on version 0.
+    Every schedule evaluates alike (:meth:`~lightning_async_pp.schedule.ir.PipelineSchedule.evaluation_actions`).
     """
-    require_position(num_stages, stage, 0, 0)
-    require_int("num_microbatches", num_microbatches, 1)
-    step = -1 - index
-    out = []
-    for mb in range(num_microbatches):
-        if stage > 0:
-            out.append(Action(stage, Op.RECV_F, step, mb, 0))
-        out.append(Action(stage, Op.FORWARD, step, mb, 0))
-        if stage < num_stages - 1:
-            out.append(Action(stage, Op.SEND_F, step, mb, 0))
-    return out
+    return PipelineSchedule.evaluation_actions(num_stages, stage, index, num_microbatches)
 
 
 # --------------------------------------------------------------------------- finite schedules
@@ -312,7 +231,7 @@ def build_schedule(
         run_starts: steps at which the pipeline starts empty; the previous run is
             drained right before each (0 is always a run start).
     """
-    validate(kind, num_stages, num_microbatches)
+    get_schedule(kind).validate(num_stages, num_microbatches)
     require_int("num_steps", num_steps, 1)
     sched = Schedule(
         kind, num_stages, num_microbatches, num_steps, [], with_comm, _normalize_run_starts(run_starts, num_steps)
@@ -342,11 +261,11 @@ def stage_footprint(kind: str, num_stages: int, num_microbatches: int, stage: in
         num_microbatches: ``M``.
         stage: 0-based stage index.
     """
-    validate(kind, num_stages, num_microbatches)
+    schedule = get_schedule(kind)
+    schedule.validate(num_stages, num_microbatches)
     require_position(num_stages, stage, 0, 0)
-    if kind == "2bw":
-        return StageFootprint(num_stages - stage, 2)
-    return StageFootprint(min(num_stages - stage, num_microbatches), 1)
+    max_in_flight = schedule.max_in_flight(num_stages, num_microbatches, stage)
+    return StageFootprint(max_in_flight, schedule.num_weight_versions)
 
 
 # --------------------------------------------------------------------------- simulation only
@@ -376,6 +295,6 @@ def gpipe_schedule(num_stages: int, num_microbatches: int, num_steps: int) -> Sc
         for t in range(num_steps):
             actions += [Action(s, Op.FORWARD, t, m, t, M) for m in range(M)]
             actions += [Action(s, Op.BACKWARD, t, m, t, M) for m in range(M)]
-            actions.append(_update(s, t, M))
+            actions.append(Action(s, Op.UPDATE, t, -1, t + 1, M))
         stages.append(actions)
     return Schedule("gpipe", P, M, num_steps, stages, with_comm=False)

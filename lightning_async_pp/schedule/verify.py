@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from lightning_async_pp.schedule.generate import Schedule
-from lightning_async_pp.schedule.ir import Action, Op, validate, weight_buffer, weight_version
+from lightning_async_pp.schedule.ir import Action, Op, PipelineSchedule, get_schedule, validate, weight_version
 
 __all__ = ["check", "liveness_trace", "needed_event", "provided_event", "run_in_order"]
 
@@ -166,7 +166,7 @@ def _check_stage(sched: Schedule, s: int) -> None:
     if sched.with_comm:
         _check_comm(acts, P, where)
     _check_updates(sched, acts, fwd, bwd, where)
-    _check_memory(kind, P - s, acts, where)
+    _check_memory(get_schedule(kind), P - s, acts, where)
     _check_flushes(sched, acts, where)
 
 
@@ -212,7 +212,7 @@ def _check_updates(sched: Schedule, acts: list[Action], fwd: dict, bwd: dict, wh
     if [a.step for _, a in updates] != list(range(sched.num_steps)):
         got = [a.step for _, a in updates]
         _fail(f"{where}: updates are for steps {got}, expected 0..{sched.num_steps - 1} in order")
-    lag = 1 if sched.kind == "2bw" else 0  # steps between the version used and the newest one
+    lag = get_schedule(sched.kind).delay  # steps between the version used and the newest one
     for k, u in updates:
         t = u.step
         if u.version != t + 1:
@@ -231,30 +231,29 @@ def _check_updates(sched: Schedule, acts: list[Action], fwd: dict, bwd: dict, wh
             _fail(f"{where}: {u} at position {k} comes after the first forward of step {nxt} (position {first_f})")
 
 
-def _check_memory(kind: str, max_in_flight: int, acts: list[Action], where: str) -> None:
-    """Activations of at most ``max_in_flight`` (``P - s``) micro-batches, at most two weight buffers
-    (2bw) or one (1f1b), and in 2bw each version read from the buffer holding it."""
-    limit_versions = 2 if kind == "2bw" else 1
+def _check_memory(kind: PipelineSchedule, max_in_flight: int, acts: list[Action], where: str) -> None:
+    """Activations of at most ``max_in_flight`` (``P - s``) micro-batches, at most the kind's weight versions
+    alive, and each version read from the buffer holding it."""
+    limit_versions = kind.num_weight_versions
     for k, (n, versions) in enumerate(liveness_trace(acts)):
         if n > max_in_flight:
             _fail(f"{where}: {n} micro-batches in flight after {acts[k]} (position {k}), limit {max_in_flight}")
         if len(versions) > limit_versions:
             _fail(f"{where}: versions {sorted(versions)} alive after {acts[k]} (position {k}), limit {limit_versions}")
-    if kind == "2bw":
-        buffers = [0, -1]
-        for k, a in enumerate(acts):
-            if a.op is Op.UPDATE:
-                buffers[weight_buffer(a.version)] = a.version
-            elif a.op in (Op.FORWARD, Op.BACKWARD) and buffers[weight_buffer(a.version)] != a.version:
-                _fail(
-                    f"{where}: {a} at position {k} needs version {a.version} but buffer "
-                    f"{weight_buffer(a.version)} holds {buffers[weight_buffer(a.version)]}"
-                )
+    buffers = {kind.buffer_of(v): v for v in range(0, -limit_versions, -1)}  # all start as w[0]
+    for k, a in enumerate(acts):
+        if a.op is Op.UPDATE:
+            buffers[kind.buffer_of(a.version)] = a.version
+        elif a.op in (Op.FORWARD, Op.BACKWARD) and buffers[kind.buffer_of(a.version)] != a.version:
+            _fail(
+                f"{where}: {a} at position {k} needs version {a.version} but buffer "
+                f"{kind.buffer_of(a.version)} holds {buffers[kind.buffer_of(a.version)]}"
+            )
 
 
 def _check_flushes(sched: Schedule, acts: list[Action], where: str) -> None:
     """Nothing of a run may be left when the next run starts; 1f1b flushes after every step."""
-    boundaries = range(1, sched.num_steps) if sched.kind == "1f1b" else sched.run_starts[1:]
+    boundaries = get_schedule(sched.kind).flush_steps(sched.num_steps, sched.run_starts)
     for r in boundaries:
         last_before = max(k for k, a in enumerate(acts) if a.step < r)
         first_after = min(k for k, a in enumerate(acts) if a.step >= r)

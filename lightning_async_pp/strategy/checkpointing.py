@@ -29,6 +29,7 @@ from lightning_async_pp.checkpoint import (
 )
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu
 from lightning_async_pp.runtime.contract import is_pipeline_module
+from lightning_async_pp.schedule import get_schedule
 
 __all__ = [
     "base_checkpoint_io",
@@ -75,7 +76,7 @@ def previous_weights(strategy: Any) -> dict[str, Tensor] | None:
         module_names = {id(p): n for n, p in module.named_parameters()}
         names = {n: module_names[id(p)] for n, p in runtime.params.items()}
         return {names[n]: t for n, t in runtime.previous_weights().items()}
-    if runtime is None and strategy.schedule == "2bw" and strategy.optimizers:
+    if runtime is None and 1 in get_schedule(strategy.schedule).checkpoint_lags and strategy.optimizers:
         delayed = strategy._single_device.delayed_weights(module)  # before the first step: w[-1] = w[0]
         return dict(zip(delayed.names, delayed.previous))
     return None

@@ -35,6 +35,7 @@ from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_s
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
 from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import StepStats
+from lightning_async_pp.schedule import get_schedule
 from lightning_async_pp.strategy.checkpointing import (
     base_checkpoint_io,
     load_sharded,
@@ -324,7 +325,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if self._runtime is not None:
             # The stage runtime applies its updates itself, on its own clock, inside the step.
             return closure()
-        if self.schedule == "2bw":
+        if get_schedule(self.schedule).reference_delay:  # one step: DelayedWeights
             closure = self._single_device.delayed_closure(self.lightning_module, closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 

@@ -85,7 +85,7 @@ class PipelineDims:
         return self.num_stages * self.data_parallel_size
 
     def stage_of(self, rank: int) -> int:
-        """The stage global rank ``rank`` runs."""
+        """The one stage global rank ``rank`` runs (:data:`~lightning_async_pp.schedule.STAGES_PER_PROCESS`)."""
         return self.num_stages - 1 - rank // self.data_parallel_size
 
     def replica_of(self, rank: int) -> int:

@@ -22,11 +22,21 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 
-def imported(name: str) -> set[str]:
-    """Every module ``name`` imports, at module level or inside a function (a lazy import is a dependency too)."""
+def type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements under ``if TYPE_CHECKING:``: a reference for the type checker, never run."""
+    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    return {node for block in blocks for stmt in block.body for node in ast.walk(stmt)}
+
+
+def imported(name: str, type_checking: bool = True) -> set[str]:
+    """Every module ``name`` imports, at module level or inside a function (a lazy import is a dependency too);
+    with ``type_checking=False`` not those under ``if TYPE_CHECKING:``, which never run."""
     is_package = MODULES[name].name == "__init__.py"
     out = set()
+    skipped = set() if type_checking else type_checking_only(TREES[name])
     for node in ast.walk(TREES[name]):
+        if node in skipped:
+            continue
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -43,9 +53,9 @@ def imported(name: str) -> set[str]:
     return out
 
 
-def internal_dependencies(name: str) -> set[str]:
+def internal_dependencies(name: str, type_checking: bool = True) -> set[str]:
     deps = set()
-    for target in imported(name):
+    for target in imported(name, type_checking):
         parts = target.split(".")
         while parts and ".".join(parts) not in MODULES:
             parts.pop()
@@ -79,7 +89,8 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_cycle():
-    cycles = find_cycles({name: internal_dependencies(name) for name in MODULES})
+    # A class's typed reference back to its owner (the owner builds it) is imported for the type checker only.
+    cycles = find_cycles({name: internal_dependencies(name, type_checking=False) for name in MODULES})
     assert not cycles, f"import cycles: {cycles}"
 
 
@@ -201,3 +212,52 @@ def test_the_architecture_page_lists_every_module():
     listed = set(re.findall(r"^ *([\w.]+\.py) ", listing, re.M))
     missing = [name for name, path in MODULES.items() if path.name != "__init__.py" and path.name not in listed]
     assert not missing, f"docs/architecture.md's file list lacks {missing}"
+
+
+# --------------------------------------------------------------------------- schedules as classes
+
+SCHEDULE_NAMES = ("2bw", "1f1b")  # the registry's names (tests/unit/schedule checks they are all of them)
+
+
+def _names_a_schedule(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in SCHEDULE_NAMES
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(_names_a_schedule(e) for e in node.elts)
+
+
+def branches_on_schedule_name(trees: dict[str, ast.Module]) -> list[str]:
+    """Comparisons (``==``, ``!=``, ``in``, ``match``) and tables (a dict keyed by name) that pick behaviour by a
+    schedule's name. Passing the name as a value (``kind="1f1b"``) and docstrings are not branches."""
+    out = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                found = any(_names_a_schedule(operand) for operand in (node.left, *node.comparators))
+            elif isinstance(node, ast.MatchValue):
+                found = _names_a_schedule(node.value)
+            elif isinstance(node, ast.Dict):
+                found = any(key is not None and _names_a_schedule(key) for key in node.keys)
+            else:
+                continue
+            if found:
+                out.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_branch_on_a_schedule_name():
+    """What differs between schedules is asked of the kind's class (``schedule.get_schedule(name)``), never
+    decided by comparing its name, in any layer: a new schedule is then one new class."""
+    offenders = branches_on_schedule_name(TREES)
+    assert not offenders, f"ask get_schedule(name) instead of comparing the name: {offenders}"
+
+
+def test_the_schedule_name_check_can_fail():
+    planted = {
+        "compare": ast.parse('if kind == "2bw":\n    pass'),
+        "member": ast.parse('x = 2 if kind in ("1f1b", "gpipe") else 1'),
+        "match": ast.parse('match kind:\n    case "2bw":\n        pass'),
+        "table": ast.parse('BUFFERS = {"2bw": 2, "1f1b": 1}'),
+        "value": ast.parse('f(kind="1f1b")\n"""Docs name "2bw"."""'),
+    }
+    found = {line.split(":")[0] for line in branches_on_schedule_name(planted)}
+    assert found == {"compare", "member", "match", "table"}

@@ -377,7 +377,7 @@ def test_configs_cover_the_brief():
     assert any(k == "1f1b" and M < P for k, P, M in CONFIGS)
 
 
-@pytest.mark.parametrize("kind", ["2bw", "1f1b"])
+@pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("P", [2, 3, 4, 6])
 @pytest.mark.parametrize("run_start", [0, 2])
 def test_gradients_received_before_each_forward_follow_the_action_lists(kind, P, run_start):
