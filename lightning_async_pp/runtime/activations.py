@@ -181,3 +181,40 @@ _WHAT_TRAVELS = (
     "What a pipeline layer passes to the next one must be a tensor, or a tuple, list or dict (string keys) of "
     "tensors; recompute other values from the micro-batch in the layer that needs them (`reads_batch = True`)."
 )
+
+
+class LinkStructures:
+    """The structure (:class:`Spec`) of the messages on a stage's two links: learnt from the first message of a
+    layout, then held to for the rest of the run, so that a stage whose output changes structure is stopped
+    with a message instead of sending what the next stage would misread.
+
+    Args:
+        stage: The stage's index, for the message.
+    """
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.received: Spec | None = None
+        self.sent: Spec | None = None
+
+    def forget(self) -> None:
+        """A new layout: learn both structures again from the next messages."""
+        self.received = self.sent = None
+
+    def read(self, tensors: Sequence[Tensor]) -> tuple[Any, Spec]:
+        """A message from the previous stage, as the value it sent, and its structure."""
+        value, self.received = read_message(tensors, self.received)
+        return value, self.received
+
+    def message(self, value: Any) -> tuple[list[Tensor], Spec]:
+        """``value`` as the tensors of a message to the next stage, after checking it has the run's structure."""
+        tensors, spec = message(value)
+        if self.sent is None:
+            self.sent = spec
+        elif spec != self.sent:
+            raise RuntimeError(
+                f"Pipeline stage {self.stage} passed {spec} to the next stage after {self.sent} in the same run "
+                "(structure, keys or which tensors require grad). Make every micro-batch's output the same "
+                "structure."
+            )
+        return tensors, spec

@@ -208,8 +208,7 @@ class StageRuntime:
         self._pinned: dict[Key, dict[str, Tensor]] = {}  # the weights each in-flight micro-batch runs on
         self._received: dict[Key, tuple[Any, Spec]] = {}
         self._input_grads: dict[Key, list[Tensor]] = {}
-        self._recv_spec: Spec | None = None  # of the messages from the previous stage, learnt once per layout
-        self._send_spec: Spec | None = None  # of the messages to the next stage, fixed once per layout
+        self._structures = activations.LinkStructures(self.stage)
         self._losses: dict[int, list[Tensor]] = {}
         self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
         self._order: DataOrderLink | None = None
@@ -348,26 +347,16 @@ class StageRuntime:
             if channel is not None:
                 channel.wait_sends()
                 channel.forget_layout()
-        self._recv_spec = self._send_spec = None
+        self._structures.forget()
         self._evaluation.forget()
 
     def receive_input(self) -> tuple[Any, Spec]:
         """The previous stage's next message, as the value it sent, and its structure."""
-        value, self._recv_spec = activations.read_message(self.prev.recv(), self._recv_spec)
-        return value, self._recv_spec
+        return self._structures.read(self.prev.recv())
 
     def output_message(self, y: Any) -> tuple[list[Tensor], Spec]:
         """``y`` as the tensors of a message to the next stage, after checking it has the run's structure."""
-        tensors, spec = activations.message(y)
-        if self._send_spec is None:
-            self._send_spec = spec
-        elif spec != self._send_spec:
-            raise RuntimeError(
-                f"Pipeline stage {self.stage} passed {spec} to the next stage after {self._send_spec} in the same "
-                "run (structure, keys or which tensors require grad). Make every micro-batch's output the same "
-                "structure."
-            )
-        return tensors, spec
+        return self._structures.message(y)
 
     # --- the interpreter -------------------------------------------------------------------------------
 
