@@ -228,6 +228,20 @@ def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
     return optimizer
 
 
+def _holders(params: Any, by_module: bool) -> tuple[Any, dict[Tensor, nn.Module]]:
+    """``params`` as the optimizer takes them, and the module that holds each parameter when ``params`` is a
+    module (empty otherwise, which routing by module type (``by_module``) cannot do with)."""
+    if isinstance(params, nn.Module):
+        return params.named_parameters(), {p: m for m in params.modules() for p in m.parameters(recurse=False)}
+    if by_module:
+        raise TypeError(
+            "`adamw_modules` routes parameters by the type of the module that holds them, so Muon needs the "
+            "module itself: pass `Muon(model, ...)` (in a LightningModule, `optimizer(self)`) instead of its "
+            "parameters, or route by name with `adamw_patterns`."
+        )
+    return params, {}
+
+
 class Muon(Optimizer):
     r"""Muon on hidden weight matrices and convolution kernels, AdamW on all other parameters, as one optimizer.
 
@@ -329,16 +343,7 @@ class Muon(Optimizer):
         self.adamw_modules = tuple(_module_class(entry) for entry in adamw_modules)
         self.muon_kernels = bool(muon_kernels)
         # Which module holds each parameter, for `adamw_modules`; only known when given the module.
-        self._holder: dict[Tensor, nn.Module] = {}
-        if isinstance(params, nn.Module):
-            self._holder = {p: m for m in params.modules() for p in m.parameters(recurse=False)}
-            params = params.named_parameters()
-        elif self.adamw_modules:
-            raise TypeError(
-                "`adamw_modules` routes parameters by the type of the module that holds them, so Muon needs the "
-                "module itself: pass `Muon(model, ...)` (in a LightningModule, `optimizer(self)`) instead of its "
-                "parameters, or route by name with `adamw_patterns`."
-            )
+        params, self._holder = _holders(params, bool(self.adamw_modules))
         self._muon = _empty_optimizer(
             _MatrixMuon,
             lr=lr,

@@ -24,7 +24,6 @@ from torch.optim import Optimizer
 
 from lightning_async_pp.module import pipeline_evaluation_step
 from lightning_async_pp.optim import updates_per_parameter
-from lightning_async_pp.reference.delayed import DelayedWeights
 from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import StepStats, write_chrome_trace
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step
@@ -102,7 +101,7 @@ class PipelineStage:
         """The training runtime once built, else the evaluation one, if any."""
         self.trains = runtime is not None and runtime.optimizer is not None
         self._training: tuple[Trainer, Optimizer] | None = None
-        self._restored: tuple[int, DelayedWeights | None] | None = None  # a checkpoint read before the runtime
+        self._restored: tuple[int, dict[str, Tensor] | None] | None = None  # read before the runtime is built
         self._no_loss: Tensor | None = None
 
     # --- building the runtime ----------------------------------------------------------------------
@@ -173,7 +172,7 @@ class PipelineStage:
         )
         if previous is not None:
             runtime_names = self._runtime_names(runtime, trainer.lightning_module)
-            runtime.load_previous_weights({runtime_names[n]: t for n, t in previous.state_dict().items()})
+            runtime.load_previous_weights({runtime_names[n]: t for n, t in previous.items()})
         self.runtime, self.trains, self._restored = runtime, True, None
 
     @staticmethod
@@ -265,8 +264,15 @@ class PipelineStage:
             return {runtime_names[n]: t for n, t in self.runtime.previous_weights().items()}
         if self._training is None:
             return None
-        delayed = self._restored[1] if self._restored is not None else DelayedWeights(module)
-        return dict(zip(delayed.names, delayed.previous))
+        if self._restored is not None and self._restored[1] is not None:
+            return self._restored[1]
+        return self._trainable_copy(module)
+
+    def _trainable_copy(self, module: LightningModule) -> dict[str, Tensor]:
+        """A copy of this stage's trainable parameters, keyed like the module's parameters (``w[-1] = w[0]``)."""
+        module_names = {id(p): n for n, p in module.named_parameters()}
+        trained = [p for p in self.placement.params.values() if p.requires_grad]
+        return {module_names[id(p)]: p.detach().clone() for p in trained}
 
     def restore_version(self, version: int, module: LightningModule) -> None:
         """Resuming training from ``version``: the runtime's weight versions (before the first step), or, before
@@ -274,5 +280,5 @@ class PipelineStage:
         if self.trains:
             self.runtime.restore_version(version)
         else:
-            delayed = DelayedWeights(module) if self.options.schedule == "2bw" else None
-            self._restored = (version, delayed)
+            previous = self._trainable_copy(module) if self.options.schedule == "2bw" else None
+            self._restored = (version, previous)
