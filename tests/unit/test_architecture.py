@@ -12,11 +12,13 @@ PACKAGE = "lightning_async_pp"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 MAX_CLASS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 400, 500, 60, 6
 
-# Known exceptions to the size rules, to shrink later: what each needs is the object it lacks, not a split.
+# Known exceptions to the size rules, each with what would bring it under; the list only shrinks.
 KNOWN_LONG = {
-    "lightning_async_pp.models.hf": "the Hugging Face adapter: model loading, the layer wrappers and the loss",
-    "lightning_async_pp.optim.muon": "Muon and its AdamW part in one optimizer class and their routing",
-    "lightning_async_pp.runtime.stage": "StageRuntime's handler table and its message plumbing",
+    "lightning_async_pp.models.hf": "the transformers layers as pipeline layers (Embedding, DecoderLayer, Head) "
+    "belong in a module of their own",
+    "lightning_async_pp.optim.muon": "the Newton-Schulz precision switch (newton_schulz_dtype) belongs in a module "
+    "of its own",
+    "lightning_async_pp.runtime.stage": "StageRuntime's messages, to become the public message API (issue 36)",
     "lightning_async_pp.schedule.transfers.host_program": "a segment's posting; the plan to execute (issue 36)",
 }
 
