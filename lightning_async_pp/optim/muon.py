@@ -4,14 +4,34 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import torch
-import torch.optim._muon as _torch_muon
 from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
+
+from lightning_async_pp.optim.newton_schulz import (  # the precision switch, importable from here as before
+    NEWTON_SCHULZ_DTYPES,
+    auto_newton_schulz_dtype,
+    block_dtype,
+    check_ns_dtype,
+    newton_schulz_dtype,
+    torch_newton_schulz,
+    use_float32_newton_schulz,
+    zeropower_via_newtonschulz_float32,
+)
+
+__all__ = [
+    "DEFAULT_ADAMW_PATTERNS",
+    "NEWTON_SCHULZ_DTYPES",
+    "Muon",
+    "auto_newton_schulz_dtype",
+    "newton_schulz_dtype",
+    "use_float32_newton_schulz",
+    "zeropower_via_newtonschulz_float32",
+]
 
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     "*embed*",
@@ -26,109 +46,6 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 """Names (``fnmatch`` patterns on the full dotted parameter name) that go to AdamW although they are 2-D:
 token/position embeddings and output heads in the usual naming schemes (nanoGPT, Hugging Face, timm, this
 project's demo GPT)."""
-
-
-def zeropower_via_newtonschulz_float32(
-    grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
-) -> Tensor:
-    """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products.
-
-    Args:
-        grad: The 2-D update to orthogonalize.
-        ns_coefficients: The iteration's ``(a, b, c)``.
-        ns_steps: Iterations.
-        eps: Floor of the norm that ``grad`` is divided by first.
-
-    Returns:
-        The orthogonalized update, in ``grad``'s dtype.
-    """
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    return x.to(grad.dtype)
-
-
-NEWTON_SCHULZ_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
-"""Values of :class:`Muon`'s ``ns_dtype``: the precision of the Newton-Schulz products."""
-
-# torch's own iteration (bfloat16 products), kept before anything patches the module.
-_TORCH_NEWTON_SCHULZ = _torch_muon._zeropower_via_newtonschulz
-_NEWTON_SCHULZ = {"float32": zeropower_via_newtonschulz_float32, "bfloat16": _TORCH_NEWTON_SCHULZ}
-# The precision `newton_schulz_dtype` sets for the block it runs, or None outside any block.
-_process_dtype: str | None = None
-
-
-def _check_ns_dtype(ns_dtype: str, *, allow_auto: bool = True) -> str:
-    allowed = NEWTON_SCHULZ_DTYPES if allow_auto else NEWTON_SCHULZ_DTYPES[1:]
-    if ns_dtype not in allowed:
-        raise ValueError(f"`ns_dtype` must be one of {', '.join(map(repr, allowed))}, got {ns_dtype!r}.")
-    return ns_dtype
-
-
-def auto_newton_schulz_dtype(device: torch.device) -> str:
-    """The precision ``ns_dtype="auto"`` picks on ``device``: bfloat16 on CUDA, float32 elsewhere.
-
-    bfloat16 products are a GPU speed trick: tensor cores run them at twice the float32 rate. A CPU runs them
-    in software unless it has bfloat16 matrix units (an AMD EPYC without AVX512-BF16: 14x slower than float32 on a
-    128 x 512 update), and float32 is also the more precise iteration, whose result does not depend on the
-    CPU's bfloat16 rounding: on a CPU, float32 is both faster and reproducible across machines.
-
-    Args:
-        device: The device of the parameters that the step updates.
-    """
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
-@contextlib.contextmanager
-def _torch_newton_schulz(ns_dtype: str) -> Iterator[None]:
-    # torch.optim.Muon looks the iteration up in its module at each step: swap it for the block, then put
-    # back whatever was there (an enclosing block's choice included).
-    previous = _torch_muon._zeropower_via_newtonschulz
-    _torch_muon._zeropower_via_newtonschulz = _NEWTON_SCHULZ[ns_dtype]
-    try:
-        yield
-    finally:
-        _torch_muon._zeropower_via_newtonschulz = previous
-
-
-@contextlib.contextmanager
-def newton_schulz_dtype(ns_dtype: str) -> Iterator[None]:
-    """Within the block, Newton-Schulz runs in ``ns_dtype`` for every :class:`torch.optim.Muon` step and for
-    every :class:`Muon` built with ``ns_dtype="auto"`` (a :class:`Muon` given ``"float32"`` or ``"bfloat16"``
-    keeps its own).
-
-    For studies and tests that compare runs across machines or pipeline shapes, where the bfloat16 rounding
-    of the hardware must not enter: a float32 rounding difference in a gradient (another summation order of a
-    clipping norm, say) can flip a bfloat16 rounding and move an update by ~1e-4, by an amount that differs
-    from one CPU to the next; in float32 the same difference stays at float32 rounding. Patches
-    ``torch.optim._muon`` for the whole process while the block runs.
-
-    Args:
-        ns_dtype: ``"float32"`` or ``"bfloat16"``.
-
-    Raises:
-        ValueError: For another ``ns_dtype``.
-    """
-    global _process_dtype
-    _check_ns_dtype(ns_dtype, allow_auto=False)
-    previous, _process_dtype = _process_dtype, ns_dtype
-    try:
-        with _torch_newton_schulz(ns_dtype):
-            yield
-    finally:
-        _process_dtype = previous
-
-
-def use_float32_newton_schulz() -> contextlib.AbstractContextManager[None]:
-    """``newton_schulz_dtype("float32")``: float32 Newton-Schulz in the block, for torch.optim.Muon too."""
-    return newton_schulz_dtype("float32")
 
 
 def _module_class(entry: str | type) -> type:
@@ -202,8 +119,8 @@ class _MatrixMuon(torch.optim.Muon):
         """The precision of this step's Newton-Schulz products, ``None`` without a parameter to update."""
         if self.ns_dtype != "auto":
             return self.ns_dtype
-        if _process_dtype is not None:
-            return _process_dtype
+        if block_dtype() is not None:
+            return block_dtype()
         param = next((p for group in self.param_groups for p in group["params"]), None)
         return None if param is None else auto_newton_schulz_dtype(param.device)
 
@@ -211,7 +128,7 @@ class _MatrixMuon(torch.optim.Muon):
     def step(self, closure=None):
         self._write_back: list[tuple[Tensor, Tensor]] = []
         ns_dtype = self.resolved_ns_dtype()
-        with _torch_newton_schulz(ns_dtype) if ns_dtype is not None else contextlib.nullcontext():
+        with torch_newton_schulz(ns_dtype) if ns_dtype is not None else contextlib.nullcontext():
             loss = super().step(closure)
         for param, flat in self._write_back:
             param.copy_(flat)
@@ -355,7 +272,7 @@ class Muon(Optimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
         )
-        self._muon.ns_dtype = _check_ns_dtype(ns_dtype)
+        self._muon.ns_dtype = check_ns_dtype(ns_dtype)
         self._adamw = _empty_optimizer(
             AdamW, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
         )

@@ -16,8 +16,6 @@ MAX_CLASS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 4
 KNOWN_LONG = {
     "lightning_async_pp.models.hf": "the transformers layers as pipeline layers (Embedding, DecoderLayer, Head) "
     "belong in a module of their own",
-    "lightning_async_pp.optim.muon": "the Newton-Schulz precision switch (newton_schulz_dtype) belongs in a module "
-    "of its own",
     "lightning_async_pp.runtime.stage": "StageRuntime's messages, to become the public message API (issue 36)",
     "lightning_async_pp.schedule.transfers.host_program": "a segment's posting; the plan to execute (issue 36)",
 }
