@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from bench_common import heap_in_use, machine_description
 
-from lightning_async_pp.strategy.checkpointing import base_checkpoint_io, previous_weights
+from lightning_async_pp.strategy.checkpointing import base_checkpoint_io
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -93,7 +93,7 @@ def gather_save(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
     optimizer = strategy.optimizers[0]
     state = {
         "stage": strategy.stage,
-        "previous": previous_weights(strategy),
+        "previous": strategy.pipeline_stage.previous_weights(strategy.lightning_module),
         "optimizer": optimizer.state_dict(),
         "state_dict": checkpoint["state_dict"],
     }
@@ -154,9 +154,9 @@ def load_timed(trainer: Any, module: Any, method: str, path: Path, record: dict[
                 state_dict=module.state_dict(),
                 module=module,
                 optimizer=strategy.optimizers[0],
-                previous=previous_weights(strategy),
+                previous=strategy.pipeline_stage.previous_weights(module),
                 stage=strategy.stage,
-                process_group=strategy._groups.checkpoint,
+                process_group=strategy.process_groups.checkpoint,
             )
     dist.barrier()
     record[f"{method}_load_s"] = time.perf_counter() - begin
@@ -173,7 +173,11 @@ def measure(trainer: Any, module: Any, methods: list[str], out: Path) -> dict[st
     strategy = trainer.strategy
     share = _bytes(
         sharded.stage_shard(
-            module.state_dict(), strategy.optimizers[0], module, previous_weights(strategy), strategy.stage
+            module.state_dict(),
+            strategy.optimizers[0],
+            module,
+            strategy.pipeline_stage.previous_weights(module),
+            strategy.stage,
         )
     )
     record = {"rank": trainer.global_rank, "stage": strategy.stage, "share_mb": share / 2**20}

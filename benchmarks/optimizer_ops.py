@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_async_pp.demos import GPT
 from lightning_async_pp.optim import DelayCorrected, Muon
-from lightning_async_pp.optim.muon import NS_BATCH_BYTES
+from lightning_async_pp.optim.newton_schulz import NS_BATCH_BYTES
 
 TARGETS = {
     "ops_muon_matrices": 340,

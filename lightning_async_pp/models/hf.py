@@ -39,7 +39,7 @@ from lightning_async_pp.runtime.contract import run_layers
 
 try:
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -296,6 +296,32 @@ class SafetensorsFolder:
 # --- the LightningModule ----------------------------------------------------------------------------------
 
 
+def _read_config(
+    model_type: str | None, overrides: dict[str, Any], pretrained: str | None
+) -> tuple[PretrainedConfig, SafetensorsFolder | None]:
+    """The model's ``transformers`` config, from ``model_type`` or a ``pretrained`` folder (then with the folder's
+    weights), with ``overrides``; refused if it would run a folder's code or is a model the pipeline cannot cut."""
+    if "trust_remote_code" in overrides:
+        raise ValueError(
+            "`config` cannot set trust_remote_code: lightning_async_pp runs no code from a model folder, only the "
+            "models transformers implements itself."
+        )
+    checkpoint = None
+    if pretrained is not None:
+        folder = Path(pretrained).expanduser()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"`pretrained` must be a local folder written by save_pretrained; {folder} has no config.json."
+            )
+        refuse_custom_code(folder / "config.json")
+        hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True, **overrides, trust_remote_code=False)
+        checkpoint = SafetensorsFolder(folder)
+    else:
+        hf_config = AutoConfig.for_model(model_type, **overrides)
+    _refuse_unsupported(hf_config)
+    return hf_config, checkpoint
+
+
 class CausalLM(LightningModule):
     """A Hugging Face causal language model, ready for pipeline parallelism.
 
@@ -355,27 +381,7 @@ class CausalLM(LightningModule):
             )
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
-        overrides = dict(config or {})
-        if "trust_remote_code" in overrides:
-            raise ValueError(
-                "`config` cannot set trust_remote_code: lightning_async_pp runs no code from a model folder, only the "
-                "models transformers implements itself."
-            )
-        if pretrained is not None:
-            folder = Path(pretrained).expanduser()
-            if not (folder / "config.json").is_file():
-                raise FileNotFoundError(
-                    f"`pretrained` must be a local folder written by save_pretrained; {folder} has no config.json."
-                )
-            refuse_custom_code(folder / "config.json")
-            hf_config = AutoConfig.from_pretrained(
-                str(folder), local_files_only=True, **overrides, trust_remote_code=False
-            )
-            self.checkpoint: SafetensorsFolder | None = SafetensorsFolder(folder)
-        else:
-            hf_config = AutoConfig.for_model(model_type, **overrides)
-            self.checkpoint = None
-        _refuse_unsupported(hf_config)
+        hf_config, self.checkpoint = _read_config(model_type, dict(config or {}), pretrained)
         hf_config._attn_implementation = attn_implementation
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import math
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import torch
-import torch.optim._muon as _torch_muon
 from torch import Tensor, nn
-from torch.optim import AdamW, Optimizer
-from torch.optim.optimizer import _to_scalar
+from torch.optim import Optimizer
+
+from lightning_async_pp.optim.muon_parts import AdamWPart, MatrixMuon
+from lightning_async_pp.optim.newton_schulz import (  # the precision switch is importable from here too
+    check_ns_batch_bytes,
+    check_ns_dtype,
+    newton_schulz_dtype,
+    use_float32_newton_schulz,
+)
+
+__all__ = ["DEFAULT_ADAMW_PATTERNS", "Muon", "newton_schulz_dtype", "use_float32_newton_schulz"]
 
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     "*embed*",
@@ -29,186 +34,6 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 """Names (``fnmatch`` patterns on the full dotted parameter name) that go to AdamW although they are 2-D:
 token/position embeddings and output heads in the usual naming schemes (nanoGPT, Hugging Face, timm, this
 project's demo GPT)."""
-
-
-def zeropower_via_newtonschulz_float32(
-    grad: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
-) -> Tensor:
-    """``torch.optim._muon._zeropower_via_newtonschulz`` with float32 instead of bfloat16 products.
-
-    Args:
-        grad: The 2-D update to orthogonalize.
-        ns_coefficients: The iteration's ``(a, b, c)``.
-        ns_steps: Iterations.
-        eps: Floor of the norm that ``grad`` is divided by first.
-
-    Returns:
-        The orthogonalized update, in ``grad``'s dtype.
-    """
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    return x.to(grad.dtype)
-
-
-def zeropower_via_newtonschulz_batched(
-    stack: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
-) -> Tensor:
-    """The Newton-Schulz iteration of :func:`zeropower_via_newtonschulz_float32` (and of torch's bfloat16 one)
-    on a stack of wide matrices at once, in the stack's dtype.
-
-    Each matrix is divided by its own norm and iterated with batched products (``bmm``/``baddbmm``), so its
-    result does not depend on the other matrices of the stack. A norm is summed in the order of the matrix's
-    memory: pass tall matrices as a transposed view (``torch.stack(tall).mT``), as the per-matrix functions
-    transpose them, and on CPU each result has the bits of the per-matrix iteration (another summation order
-    moves it by up to ~2e-6 relative in float32).
-
-    Args:
-        stack: ``(n, rows, cols)`` with ``rows <= cols``, overwritten.
-        ns_coefficients: The iteration's ``(a, b, c)``.
-        ns_steps: Iterations.
-        eps: Floor of the norm that each matrix is divided by first.
-
-    Returns:
-        The orthogonalized matrices, ``(n, rows, cols)`` in ``stack``'s dtype.
-    """
-    return _newton_schulz_iterations(_normalize_(stack, eps), ns_coefficients, ns_steps)
-
-
-def _normalize_(stack: Tensor, eps: float) -> Tensor:
-    """Divide each matrix of ``stack`` by its norm (at least ``eps``), in place."""
-    return stack.div_(stack.norm(dim=(-2, -1), keepdim=True).clamp_(min=eps))
-
-
-def _newton_schulz_iterations(x: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int) -> Tensor:
-    if ns_steps >= 100:
-        raise ValueError(f"`ns_steps` must be less than 100 (torch.optim.Muon's limit), got {ns_steps}.")
-    if len(ns_coefficients) != 3:
-        raise ValueError(f"`ns_coefficients` must be three numbers (a, b, c), got {ns_coefficients!r}.")
-    if ns_steps == 0:
-        return x
-    a, b, c = ns_coefficients
-    # The products write into buffers taken once and reused by every iteration: on CPU a fresh block of this
-    # size is fresh pages from the kernel each time, and `baddbmm` copies its first argument into its output,
-    # which costs as much as the products when the memory is cold. (`contiguous()`: tall matrices come as a
-    # transposed view.)
-    x = x.contiguous()
-    n, rows, _ = x.shape
-    gram = x.new_empty(n, rows, rows)
-    polynomial = x.new_empty(n, rows, rows)
-    other = torch.empty_like(x)
-    pair, other_pair = (x, x.mT), (other, other.mT)
-    for _ in range(ns_steps):
-        torch.bmm(*pair, out=gram)
-        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=polynomial)
-        torch.baddbmm(pair[0], polynomial, pair[0], beta=a, out=other_pair[0])
-        pair, other_pair = other_pair, pair
-    return pair[0]
-
-
-NEWTON_SCHULZ_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
-"""Values of :class:`Muon`'s ``ns_dtype``: the precision of the Newton-Schulz products."""
-
-# torch's own iteration (bfloat16 products), kept before anything patches the module.
-_TORCH_NEWTON_SCHULZ = _torch_muon._zeropower_via_newtonschulz
-NS_BATCH_BYTES = 128 * 2**20
-"""What ``ns_batch_bytes=None`` means on a GPU (anything but a CPU): at most this many bytes of matrices (in
-the Newton-Schulz precision) are orthogonalized in one batch."""
-NS_BATCH_BYTES_CPU = 4 * 2**20
-"""What ``ns_batch_bytes=None`` means on CPU: batches of about the cache a core has."""
-
-
-def auto_ns_batch_bytes(device: torch.device) -> int:
-    """The batch bound ``ns_batch_bytes=None`` picks on ``device``: 4 MiB on CPU, 128 MiB elsewhere.
-
-    On a GPU a batch is the more efficient the larger it is (each product is one launch, and larger ones fill
-    the device); 128 MiB keeps its temporaries at a few hundred MiB. A CPU runs the same arithmetic whichever
-    the batch, but the batched step's memory-bound passes (stacking, and ``baddbmm`` copying its input into
-    its output) run from the cache for a small batch and from memory for a large one: at 24 blocks of width
-    256, one batch per shape took 1.2x the per-matrix step's time, 4 MiB batches 1.03-1.07x (on a shared machine).
-
-    Args:
-        device: The device of the matrices.
-    """
-    return NS_BATCH_BYTES_CPU if device.type == "cpu" else NS_BATCH_BYTES
-
-
-_NEWTON_SCHULZ = {"float32": zeropower_via_newtonschulz_float32, "bfloat16": _TORCH_NEWTON_SCHULZ}
-# The precision `newton_schulz_dtype` sets for the block it runs, or None outside any block.
-_process_dtype: str | None = None
-
-
-def _check_ns_dtype(ns_dtype: str, *, allow_auto: bool = True) -> str:
-    allowed = NEWTON_SCHULZ_DTYPES if allow_auto else NEWTON_SCHULZ_DTYPES[1:]
-    if ns_dtype not in allowed:
-        raise ValueError(f"`ns_dtype` must be one of {', '.join(map(repr, allowed))}, got {ns_dtype!r}.")
-    return ns_dtype
-
-
-def auto_newton_schulz_dtype(device: torch.device) -> str:
-    """The precision ``ns_dtype="auto"`` picks on ``device``: bfloat16 on CUDA, float32 elsewhere.
-
-    bfloat16 products are a GPU speed trick: tensor cores run them at twice the float32 rate. A CPU runs them
-    in software unless it has bfloat16 matrix units (an AMD EPYC without AVX512-BF16: 14x slower than float32 on a
-    128 x 512 update), and float32 is also the more precise iteration, whose result does not depend on the
-    CPU's bfloat16 rounding: on a CPU, float32 is both faster and reproducible across machines.
-
-    Args:
-        device: The device of the parameters that the step updates.
-    """
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
-@contextlib.contextmanager
-def _torch_newton_schulz(ns_dtype: str) -> Iterator[None]:
-    # torch.optim.Muon looks the iteration up in its module at each step: swap it for the block, then put
-    # back whatever was there (an enclosing block's choice included).
-    previous = _torch_muon._zeropower_via_newtonschulz
-    _torch_muon._zeropower_via_newtonschulz = _NEWTON_SCHULZ[ns_dtype]
-    try:
-        yield
-    finally:
-        _torch_muon._zeropower_via_newtonschulz = previous
-
-
-@contextlib.contextmanager
-def newton_schulz_dtype(ns_dtype: str) -> Iterator[None]:
-    """Within the block, Newton-Schulz runs in ``ns_dtype`` for every :class:`torch.optim.Muon` step and for
-    every :class:`Muon` built with ``ns_dtype="auto"`` (a :class:`Muon` given ``"float32"`` or ``"bfloat16"``
-    keeps its own).
-
-    For studies and tests that compare runs across machines or pipeline shapes, where the bfloat16 rounding
-    of the hardware must not enter: a float32 rounding difference in a gradient (another summation order of a
-    clipping norm, say) can flip a bfloat16 rounding and move an update by ~1e-4, by an amount that differs
-    from one CPU to the next; in float32 the same difference stays at float32 rounding. Patches
-    ``torch.optim._muon`` for the whole process while the block runs.
-
-    Args:
-        ns_dtype: ``"float32"`` or ``"bfloat16"``.
-
-    Raises:
-        ValueError: For another ``ns_dtype``.
-    """
-    global _process_dtype
-    _check_ns_dtype(ns_dtype, allow_auto=False)
-    previous, _process_dtype = _process_dtype, ns_dtype
-    try:
-        with _torch_newton_schulz(ns_dtype):
-            yield
-    finally:
-        _process_dtype = previous
-
-
-def use_float32_newton_schulz() -> contextlib.AbstractContextManager[None]:
-    """``newton_schulz_dtype("float32")``: float32 Newton-Schulz in the block, for torch.optim.Muon too."""
-    return newton_schulz_dtype("float32")
 
 
 def _module_class(entry: str | type) -> type:
@@ -228,276 +53,6 @@ def _module_class(entry: str | type) -> type:
     return cls
 
 
-def _as_matrix(tensor: Tensor) -> Tensor:
-    """A kernel (more than 2 dims) as the (out_channels, in_channels x kernel) matrix Muon orthogonalizes."""
-    return tensor if tensor.ndim == 2 else tensor.view(tensor.shape[0], -1)
-
-
-class _MatrixMuon(torch.optim.Muon):
-    """:class:`torch.optim.Muon`, whose step also takes kernels: each one is updated as its matrix
-    ``(shape[0], -1)``, a view of the parameter, its gradient and its momentum buffer, as Muon's reference
-    implementation does for convolution filters. The learning-rate adjustment then sees the matrix shape.
-    2-D parameters go through torch's code unchanged."""
-
-    def _init_group(
-        self,
-        group: MutableMapping,
-        params_with_grad: list[Tensor],
-        grads: list[Tensor],
-        muon_momentum_bufs: list[Tensor],
-    ) -> bool:
-        kernels = [p for p in group["params"] if p.grad is not None and p.ndim > 2]
-        if not kernels:
-            return super()._init_group(group, params_with_grad, grads, muon_momentum_bufs)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.ndim == 2:
-                super()._init_group({"params": [p]}, params_with_grad, grads, muon_momentum_bufs)
-                continue
-            if torch.is_complex(p) or p.grad.is_sparse:
-                raise RuntimeError("Muon supports neither complex parameters nor sparse gradients")
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            elif not state["momentum_buffer"].is_contiguous():
-                state["momentum_buffer"] = state["momentum_buffer"].contiguous()
-            if p.is_contiguous():
-                params_with_grad.append(_as_matrix(p))
-            else:  # e.g. channels_last: update a contiguous copy, written back after the step
-                flat = p.contiguous()
-                self._write_back.append((p, flat))
-                params_with_grad.append(_as_matrix(flat))
-            grads.append(p.grad.reshape(p.shape[0], -1))
-            muon_momentum_bufs.append(_as_matrix(state["momentum_buffer"]))
-        return False
-
-    ns_dtype: str = "auto"
-    batched: bool = True
-    ns_batch_bytes: int | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Optimizer pickles only defaults, state and groups.
-        return {
-            **super().__getstate__(),
-            "ns_dtype": self.ns_dtype,
-            "batched": self.batched,
-            "ns_batch_bytes": self.ns_batch_bytes,
-        }
-
-    def resolved_ns_dtype(self) -> str | None:
-        """The precision of this step's Newton-Schulz products, ``None`` without a parameter to update."""
-        if self.ns_dtype != "auto":
-            return self.ns_dtype
-        if _process_dtype is not None:
-            return _process_dtype
-        param = next((p for group in self.param_groups for p in group["params"]), None)
-        return None if param is None else auto_newton_schulz_dtype(param.device)
-
-    def ns_batches(self) -> list[tuple[tuple[int, int], int, int]]:
-        """The batches the next step orthogonalizes, if every parameter has a gradient: per group of matrices
-        that are iterated together, its wide shape ``(rows, cols)``, its number of matrices and the number of
-        chunks it is split into (``ns_batch_bytes``). Empty without a parameter or with ``batched=False``."""
-        ns_dtype = self.resolved_ns_dtype()
-        if not self.batched or ns_dtype is None:
-            return []
-        sizes: dict[tuple, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                matrix = p.view(p.shape[0], -1) if p.ndim > 2 else p
-                key = _batch_key(matrix, p.dtype, group)
-                sizes[key] = sizes.get(key, 0) + 1
-        return [(key[0], n, len(_even_chunks(n, self._per_chunk(key, ns_dtype)))) for key, n in sizes.items()]
-
-    def _per_chunk(self, key: tuple, ns_dtype: str) -> int:
-        (rows, cols), device = key[0], key[1]
-        limit = self.ns_batch_bytes or auto_ns_batch_bytes(device)
-        return max(1, limit // (rows * cols * (4 if ns_dtype == "float32" else 2)))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self._write_back: list[tuple[Tensor, Tensor]] = []
-        ns_dtype = self.resolved_ns_dtype()
-        if self.batched:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            if ns_dtype is not None:
-                self._batched_step(ns_dtype)
-        else:
-            with _torch_newton_schulz(ns_dtype) if ns_dtype is not None else contextlib.nullcontext():
-                loss = super().step(closure)
-        for param, flat in self._write_back:
-            param.copy_(flat)
-        self._write_back = []
-        return loss
-
-    def _batched_step(self, ns_dtype: str) -> None:
-        """torch.optim.Muon's update of every parameter, with the same operations per matrix, but each applied
-        to many tensors at once: momentum, weight decay and the update with ``torch._foreach_*`` per group, and
-        Newton-Schulz on stacks of matrices of one wide shape (:func:`zeropower_via_newtonschulz_batched`)."""
-        batches: dict[tuple, list[_Matrix]] = {}
-        for group in self.param_groups:
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            bufs: list[Tensor] = []
-            self._init_group(group, params, grads, bufs)
-            if not params:
-                continue
-            lr = _to_scalar(group["lr"])
-            torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
-            decay = 1 - lr * group["weight_decay"]
-            if isinstance(decay, Tensor) or decay != 1:  # torch multiplies by 1 too: the same bits
-                if _foreach_scalars_exact(params):
-                    torch._foreach_mul_(params, decay)
-                else:
-                    for param in params:
-                        param.mul_(decay)
-            for param, grad, buf in zip(params, grads, bufs):
-                alpha = -_torch_muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape)
-                matrix = _Matrix(param, grad, buf, alpha, tall=param.shape[0] > param.shape[1])
-                batches.setdefault(_batch_key(param, grad.dtype, group), []).append(matrix)
-        for key, matrices in batches.items():
-            (wide_shape, _, _, _, momentum, nesterov, coefficients, ns_steps, eps) = key
-            for chunk in _even_chunks(len(matrices), self._per_chunk(key, ns_dtype)):
-                _orthogonalize_and_apply(
-                    [matrices[i] for i in chunk], momentum, nesterov, coefficients, ns_steps, eps, ns_dtype
-                )
-
-
-@dataclass
-class _Matrix:
-    """One matrix of a batched step: parameter, gradient and momentum (matrix views for kernels), the
-    learning rate it is added with (shape adjustment and sign included), and whether it is transposed."""
-
-    param: Tensor
-    grad: Tensor
-    buf: Tensor
-    alpha: float | Tensor
-    tall: bool
-
-
-def _batch_key(matrix: Tensor, grad_dtype: torch.dtype, group: MutableMapping) -> tuple:
-    """What matrices must share to be orthogonalized in one stack: the shape with rows <= cols (a tall matrix
-    is iterated transposed, so it joins its transpose), device, dtypes and the group's iteration settings."""
-    rows, cols = matrix.shape
-    return (
-        (min(rows, cols), max(rows, cols)),
-        matrix.device,
-        matrix.dtype,
-        grad_dtype,
-        group["momentum"],
-        group["nesterov"],
-        tuple(group["ns_coefficients"]),
-        group["ns_steps"],
-        group["eps"],
-    )
-
-
-def _even_chunks(n: int, per_chunk: int) -> list[range]:
-    """``range(n)`` in the fewest chunks of at most ``per_chunk``, their sizes differing by at most one."""
-    chunks = math.ceil(n / per_chunk)
-    bounds = [n * i // chunks for i in range(chunks + 1)]
-    return [range(start, stop) for start, stop in zip(bounds, bounds[1:])]
-
-
-def _orthogonalize_and_apply(
-    matrices: list[_Matrix],
-    momentum: float,
-    nesterov: bool,
-    coefficients: tuple[float, float, float],
-    ns_steps: int,
-    eps: float,
-    ns_dtype: str,
-) -> None:
-    """Nesterov update, Newton-Schulz and ``param += alpha * update`` for matrices of one batch key."""
-    wide = [m for m in matrices if not m.tall]
-    tall = [m for m in matrices if m.tall]
-    ordered = wide + tall
-    bufs = [m.buf for m in ordered]
-    updates = torch._foreach_lerp([m.grad for m in ordered], bufs, momentum) if nesterov else bufs
-    # Each orientation is stacked (new memory, so normalized in place) in the per-matrix iteration's precision
-    # (its `grad.float()` / `grad.bfloat16()`) and normalized as it lies in memory, which sums each norm in
-    # the order of the per-matrix path; tall matrices are then transposed as one view of their stack.
-    dtype = torch.float32 if ns_dtype == "float32" else torch.bfloat16
-    parts = []
-    if wide:
-        parts.append(_normalize_(torch.stack(updates[: len(wide)]).to(dtype), eps))
-    if tall:
-        parts.append(_normalize_(torch.stack(updates[len(wide) :]).to(dtype), eps).mT)
-    del updates
-    stack = parts[0] if len(parts) == 1 else torch.cat(parts)
-    del parts
-    result = _newton_schulz_iterations(stack, coefficients, ns_steps).to(ordered[0].param.dtype)
-    views: list[Tensor] = []
-    if wide:
-        views += (result[: len(wide)] if tall else result).unbind(0)
-    if tall:
-        views += (result[len(wide) :] if wide else result).mT.unbind(0)
-    # One multi-tensor add per learning rate: a group's wide and tall matrices differ with `adjust_lr_fn=None`.
-    by_alpha: dict[Any, tuple[list[Tensor], list[Tensor]]] = {}
-    for matrix, view in zip(ordered, views):
-        params, updates_ = by_alpha.setdefault(_alpha_key(matrix.alpha), ([], []))
-        params.append(matrix.param)
-        updates_.append(view)
-    for (_, alpha), (params, updates_) in by_alpha.items():
-        torch._foreach_add_(params, updates_, alpha=alpha)
-
-
-def _foreach_scalars_exact(tensors: list[Tensor]) -> bool:
-    """Whether ``torch._foreach_mul_(tensors, scalar)`` gives the bits of ``tensor.mul_(scalar)``: not on CPU for
-    dtypes narrower than float32, whose multi-tensor path first rounds the scalar to the tensors' dtype (a
-    weight decay factor 0.998 becomes 0.996 in bfloat16, twice the decay); ``Tensor.mul_`` computes in float32."""
-    return all(t.device.type != "cpu" or t.dtype in _CPU_FOREACH_DTYPES for t in tensors)
-
-
-def _alpha_key(alpha: float | Tensor) -> tuple[Any, float | Tensor]:
-    # A tensor learning rate (torch.optim.Muon accepts one) is its own group: comparing it would synchronize.
-    return (id(alpha), alpha) if isinstance(alpha, Tensor) else (alpha, alpha)
-
-
-_CPU_FOREACH_DTYPES = (torch.float32, torch.float64)
-
-
-class _AdamWPart(AdamW):
-    """:class:`torch.optim.AdamW` that takes the multi-tensor path (``foreach``) on CPU too, where torch's
-    default is the tensor-by-tensor loop: the same arithmetic per tensor in one operation per group. Only in
-    groups that leave ``foreach`` and ``fused`` unset and hold float32 or float64 CPU tensors (for narrower
-    dtypes, the CPU multi-tensor path rounds ``beta2`` and the decay factor to the tensors' dtype; on GPUs,
-    torch's default already is the multi-tensor path). The choice is made at each step and not stored in the
-    groups, so that the state dict is AdamW's own (and checkpoints written either way load either way).
-    ``batched=False`` keeps torch's default."""
-
-    batched: bool = True
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "batched": self.batched}
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        unset = []
-        if self.batched:
-            unset = [
-                group
-                for group in self.param_groups
-                if group["foreach"] is None
-                and not group["fused"]
-                and not group["differentiable"]
-                and all(
-                    type(p) in (Tensor, nn.Parameter) and p.device.type == "cpu" and p.dtype in _CPU_FOREACH_DTYPES
-                    for p in group["params"]
-                )
-            ]
-        for group in unset:
-            group["foreach"] = True
-        try:
-            return super().step(closure)
-        finally:
-            for group in unset:
-                group["foreach"] = None
-
-
 def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
     # torch optimizers refuse an empty parameter list but accept an empty group. Dropping that group
     # leaves an optimizer whose groups are exactly the ones `Muon` hands to it, and whose constructor
@@ -505,6 +60,20 @@ def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
     optimizer = cls([{"params": []}], **kwargs)
     optimizer.param_groups.clear()
     return optimizer
+
+
+def _holders(params: Any, by_module: bool) -> tuple[Any, dict[Tensor, nn.Module]]:
+    """``params`` as the optimizer takes them, and the module that holds each parameter when ``params`` is a
+    module (empty otherwise, which routing by module type, ``by_module``, cannot do with)."""
+    if isinstance(params, nn.Module):
+        return params.named_parameters(), {p: m for m in params.modules() for p in m.parameters(recurse=False)}
+    if by_module:
+        raise TypeError(
+            "`adamw_modules` routes parameters by the type of the module that holds them, so Muon needs the "
+            "module itself: pass `Muon(model, ...)` (in a LightningModule, `optimizer(self)`) instead of its "
+            "parameters, or route by name with `adamw_patterns`."
+        )
+    return params, {}
 
 
 class Muon(Optimizer):
@@ -572,15 +141,17 @@ class Muon(Optimizer):
             go to AdamW although they are matrices. Only used when ``params`` is a module.
         muon_kernels: Whether convolution kernels get Muon (flattened to matrices) or AdamW.
         ns_dtype: Precision of the Newton-Schulz products: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere, see
-            :func:`auto_newton_schulz_dtype`; inside a :func:`newton_schulz_dtype` block, that block's),
+            :func:`~lightning_async_pp.optim.newton_schulz.auto_newton_schulz_dtype`; inside a
+            :func:`~lightning_async_pp.optim.newton_schulz.newton_schulz_dtype` block, that block's),
             ``"float32"`` or ``"bfloat16"`` (:class:`torch.optim.Muon`'s iteration).
         batched: Whether the step works on many tensors at once (see above) or tensor by tensor.
         ns_batch_bytes: Upper bound of one Newton-Schulz batch: its stack of matrices in the Newton-Schulz
             precision (a matrix larger than that is a batch of its own). A batch's products and temporaries take
-            about five times as much memory while it runs. ``None``: :func:`auto_ns_batch_bytes`, 128 MiB on a
-            GPU (16 of GPT-2-medium's ``1024 x 4096`` matrices in a bfloat16 batch: products large enough that
-            a GPU spends its time computing rather than launching, at a few hundred MiB of temporaries) and
-            4 MiB on CPU (a cache's worth).
+            about five times as much memory while it runs. ``None``:
+            :func:`~lightning_async_pp.optim.newton_schulz.auto_ns_batch_bytes`, 128 MiB on a GPU (16 of
+            GPT-2-medium's ``1024 x 4096`` matrices in a bfloat16 batch: products large enough that a GPU spends
+            its time computing rather than launching, at a few hundred MiB of temporaries) and 4 MiB on CPU (a
+            cache's worth).
 
     Raises:
         ValueError: If a hyperparameter is out of range, if a group with ``"use_muon": True`` contains a
@@ -619,13 +190,7 @@ class Muon(Optimizer):
         batched: bool = True,
         ns_batch_bytes: int | None = None,
     ) -> None:
-        if ns_batch_bytes is not None and (
-            isinstance(ns_batch_bytes, bool) or not isinstance(ns_batch_bytes, int) or ns_batch_bytes < 1
-        ):
-            raise ValueError(
-                f"`ns_batch_bytes` must be a positive number of bytes, or None for {NS_BATCH_BYTES_CPU} on CPU and"
-                f" {NS_BATCH_BYTES} elsewhere, got {ns_batch_bytes!r}."
-            )
+        check_ns_batch_bytes(ns_batch_bytes)
         if isinstance(adamw_patterns, str):
             raise TypeError(f"`adamw_patterns` must be a sequence of patterns, got the string {adamw_patterns!r}.")
         if isinstance(adamw_modules, (str, type)):
@@ -634,18 +199,9 @@ class Muon(Optimizer):
         self.adamw_modules = tuple(_module_class(entry) for entry in adamw_modules)
         self.muon_kernels = bool(muon_kernels)
         # Which module holds each parameter, for `adamw_modules`; only known when given the module.
-        self._holder: dict[Tensor, nn.Module] = {}
-        if isinstance(params, nn.Module):
-            self._holder = {p: m for m in params.modules() for p in m.parameters(recurse=False)}
-            params = params.named_parameters()
-        elif self.adamw_modules:
-            raise TypeError(
-                "`adamw_modules` routes parameters by the type of the module that holds them, so Muon needs the "
-                "module itself: pass `Muon(model, ...)` (in a LightningModule, `optimizer(self)`) instead of its "
-                "parameters, or route by name with `adamw_patterns`."
-            )
+        params, self._holder = _holders(params, by_module=bool(self.adamw_modules))
         self._muon = _empty_optimizer(
-            _MatrixMuon,
+            MatrixMuon,
             lr=lr,
             weight_decay=weight_decay,
             momentum=momentum,
@@ -655,11 +211,11 @@ class Muon(Optimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
         )
-        self._muon.ns_dtype = _check_ns_dtype(ns_dtype)
+        self._muon.ns_dtype = check_ns_dtype(ns_dtype)
         self._muon.batched = bool(batched)
         self._muon.ns_batch_bytes = ns_batch_bytes
         self._adamw = _empty_optimizer(
-            _AdamWPart, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
+            AdamWPart, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
         )
         self._adamw.batched = bool(batched)
         defaults = {

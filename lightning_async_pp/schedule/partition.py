@@ -10,7 +10,7 @@ from :func:`count_parameters`, which works on meta-device modules.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 from lightning_async_pp.schedule.ir import is_int
@@ -60,36 +60,18 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[int]:
     def span(i: int, j: int) -> float:
         return prefix[j] - prefix[i]
 
-    def split_cost(i: int, j: int) -> float:  # first i layers in k-1 stages, then i..j-1
-        return max(best[i], span(i, j))
-
-    inf = math.inf
     # best[j] for the current number of stages; choice[k][j] = start of stage k-1
     # (the last of k stages) in the optimum for the first j layers.
-    best = [inf] * (n + 1)
+    best = [math.inf] * (n + 1)
     for j in range(1, n + 1):
         best[j] = span(0, j)
     choice: list[list[int]] = [[0] * (n + 1)]
     for k in range(2, num_stages + 1):
-        new = [inf] * (n + 1)
+        new = [math.inf] * (n + 1)
         pick = [0] * (n + 1)
         # The remaining num_stages - k stages need at least one layer each.
         for j in range(k, n - (num_stages - k) + 1):
-            # Smallest split i in [k-1, j-1] where the prefix cost reaches the last stage's cost.
-            lo, hi = k - 1, j - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if best[mid] >= span(mid, j):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            value = split_cost(lo, j) if lo == k - 1 else min(split_cost(lo - 1, j), split_cost(lo, j))
-            # split_cost does not increase before lo; equal values there come from
-            # zero-cost layers, so walk back to the earliest split attaining the optimum.
-            i = lo if split_cost(lo, j) == value else lo - 1
-            while i - 1 >= k - 1 and split_cost(i - 1, j) == value:
-                i -= 1
-            new[j], pick[j] = value, i
+            new[j], pick[j] = _earliest_best_split(best, span, k - 1, j)
         best = new
         choice.append(pick)
     starts = [0] * num_stages
@@ -98,6 +80,34 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[int]:
         starts[k] = choice[k][j]
         j = starts[k]
     return starts
+
+
+def _earliest_best_split(best: list[float], span: Callable[[int, int], float], first: int, j: int) -> tuple[float, int]:
+    """The smallest maximum stage cost of the first ``j`` layers when the last stage starts at a split
+    ``i >= first`` (the layers before it in ``best[i]``), and the earliest split that attains it.
+
+    ``max(best[i], span(i, j))`` is the max of a non-decreasing and a non-increasing function of ``i``: the
+    optimum sits where they cross, found by bisection.
+    """
+
+    def split_cost(i: int) -> float:  # first i layers in the earlier stages, then i..j-1
+        return max(best[i], span(i, j))
+
+    # Smallest split i in [first, j-1] where the prefix cost reaches the last stage's cost.
+    lo, hi = first, j - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if best[mid] >= span(mid, j):
+            hi = mid
+        else:
+            lo = mid + 1
+    value = split_cost(lo) if lo == first else min(split_cost(lo - 1), split_cost(lo))
+    # split_cost does not increase before lo; equal values there come from
+    # zero-cost layers, so walk back to the earliest split attaining the optimum.
+    i = lo if split_cost(lo) == value else lo - 1
+    while i - 1 >= first and split_cost(i - 1) == value:
+        i -= 1
+    return value, i
 
 
 def partition_from_split_points(

@@ -32,11 +32,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_async_pp.strategy.topology import PipelineDims
 from lightning_async_pp.strategy.watchdog import PeerWatchdog
 
 __all__ = ["EXIT_GRACE_S", "SELF_EXIT_S", "FailureGuard", "abort_process_groups"]
@@ -65,17 +66,23 @@ class FailureGuard:
         self.watchdog: PeerWatchdog | None = None
         self._name = "this rank"
 
-    def start(self, strategy: Any) -> None:
-        """Start the watchdog on the strategy's ``watchdog`` group (every rank, right after the groups exist)."""
-        dims, rank = strategy.dims, strategy.global_rank
+    def start(self, group: dist.ProcessGroup, dims: PipelineDims, rank: int, timeout: timedelta) -> None:
+        """Start the watchdog on ``group`` (every rank, right after the groups exist).
+
+        Args:
+            group: Every rank's heartbeat group (``ProcessGroups.watchdog``).
+            dims: The job's stages and replicas, to name the ranks.
+            rank: This process's global rank.
+            timeout: How long the heartbeat waits for a silent rank.
+        """
         self.exception = None
         self._name = f"rank {rank} ({describe_stage(dims, rank, of=True)})"
         self.watchdog = PeerWatchdog(
-            strategy._groups.watchdog,
+            group,
             rank,
             dims.world_size,
             lambda r: f"{describe_stage(dims, r)} (rank {r})",
-            strategy.timeout,
+            timeout,
             self._peer_failed,
         )
         self.watchdog.start()
@@ -129,7 +136,7 @@ class FailureGuard:
         _exit_now()
 
 
-def describe_stage(dims: Any, rank: int, of: bool = False) -> str:
+def describe_stage(dims: PipelineDims, rank: int, of: bool = False) -> str:
     """``"stage 1"`` (``"stage 1 of 3"``), with the replica when there are several."""
     text = f"stage {dims.stage_of(rank)}" + (f" of {dims.num_stages}" if of else "")
     if dims.data_parallel_size > 1:

@@ -1,8 +1,7 @@
 """Before training: the strategy's arguments and the model checked, the processes started.
 
 Configuration errors are raised in the main process, before any other process starts, so that a job fails
-once with one message instead of once per rank. The functions take the
-:class:`~lightning_async_pp.strategy.strategy.AsyncPipelineStrategy`, as Lightning's launchers take theirs.
+once with one message instead of once per rank: the strategy's launcher runs :class:`LaunchChecks` first.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sized
+from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
@@ -28,15 +28,17 @@ from typing_extensions import override
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.runtime.contract import require_pipeline_module
 from lightning_async_pp.runtime.microbatch import auto_num_microbatches
-from lightning_async_pp.runtime.recompute import select_layers
+from lightning_async_pp.runtime.recompute import ActivationCheckpointing, select_layers
 from lightning_async_pp.schedule import SCHEDULES, validate
 from lightning_async_pp.schedule.ir import is_int
 from lightning_async_pp.strategy.failure import SELF_EXIT_S
 from lightning_async_pp.strategy.lifecycle import check_gradient_clipping_hook
 from lightning_async_pp.strategy.placement import check_timing_input, partition_layers
+from lightning_async_pp.strategy.processes import PipelineProcesses
 from lightning_async_pp.strategy.topology import check_process_count
 
 __all__ = [
+    "LaunchChecks",
     "check_arguments",
     "check_datamodule",
     "check_pipeline_model",
@@ -64,7 +66,7 @@ def check_arguments(
         raise ValueError(f"`pipeline_parallel_size` must be a positive integer, got {pipeline_parallel_size!r}.")
 
 
-def check_trainer_settings(strategy: Any, trainer: Trainer) -> None:
+def check_trainer_settings(trainer: Trainer, multi_process: bool) -> None:
     """Refuse Trainer settings the strategy cannot run with: before launching, and again in ``setup`` (where a
     launcher that is not the strategy's, torchrun or SLURM, first sees them)."""
     if trainer.accumulate_grad_batches != 1:
@@ -73,7 +75,7 @@ def check_trainer_settings(strategy: Any, trainer: Trainer) -> None:
             f"{trainer.accumulate_grad_batches}): set it to 1 and raise `num_microbatches` (with a larger "
             "batch size) instead; micro-batches already accumulate gradients within a step."
         )
-    if strategy.multi_process and trainer.gradient_clip_algorithm not in (None, "norm"):
+    if multi_process and trainer.gradient_clip_algorithm not in (None, "norm"):
         raise MisconfigurationException(
             f"AsyncPipelineStrategy clips by the global gradient norm only; got gradient_clip_algorithm="
             f"{getattr(trainer.gradient_clip_algorithm, 'value', trainer.gradient_clip_algorithm)!r}. Set it to 'norm'."
@@ -159,65 +161,119 @@ def _check_batch_size(size: int, num_microbatches: int | None, num_stages: int, 
     return num_microbatches
 
 
-def check_pipeline_model(strategy: Any, module: LightningModule) -> None:
-    """Raise a clear error if ``module`` cannot be trained as ``strategy``'s pipeline."""
-    precision = strategy.precision_plugin.precision if strategy.precision_plugin is not None else "32-true"
+def check_pipeline_model(
+    module: LightningModule,
+    precision: str,
+    activation_checkpointing: ActivationCheckpointing,
+    num_stages: int | None,
+    time_balanced: bool,
+    partition: Callable[[LightningModule], list[range]],
+) -> None:
+    """Raise a clear error if ``module`` cannot be trained as the strategy's pipeline.
+
+    Args:
+        module: The model.
+        precision: The Trainer's precision.
+        activation_checkpointing: The strategy's ``activation_checkpointing``.
+        num_stages: Pipeline stages; ``None`` on one process.
+        time_balanced: Whether the stages are balanced by measured layer times (measured in ``setup``: here the
+            input and the layer count are checked).
+        partition: The strategy's partition of the model's layers.
+    """
     if str(precision) in ("16-mixed", "16-true", "16"):
         raise MisconfigurationException(
             f"AsyncPipelineStrategy does not support precision={precision!r}: fp16 needs a loss scale shared by "
             "all stages. Use precision='bf16-mixed' or '32-true'."
         )
-    if strategy.activation_checkpointing is not False:
+    if activation_checkpointing is not False:
         require_pipeline_module(module, "needed to apply `activation_checkpointing` to its layers")
-        select_layers(list(module.pipeline_layers()), strategy.activation_checkpointing)
-    if strategy.multi_process:
-        require_pipeline_module(module, f"needed to cut it into {strategy.num_stages} stages")
+        select_layers(list(module.pipeline_layers()), activation_checkpointing)
+    if num_stages is not None:
+        require_pipeline_module(module, f"needed to cut it into {num_stages} stages")
         check_gradient_clipping_hook(module)
-        if strategy.balance == "time" and strategy.split_points is None:  # measured in `setup`: here the input
-            check_timing_input(module)  # and the layer count
-            partition_layers(list(module.pipeline_layers()), strategy.num_stages, costs=None)
+        if time_balanced:
+            check_timing_input(module)
+            partition_layers(list(module.pipeline_layers()), num_stages, costs=None)
         else:
-            strategy.layer_partition(module)
+            partition(module)
 
 
-def configure_launcher(strategy: Any) -> _Launcher | None:
-    """Check the process count and the schedule, and return the launcher (``None`` for one process) that checks
-    the model before it starts the other processes."""
-    check_process_count(strategy.num_processes, strategy.num_nodes, strategy.num_stages)
-    if strategy.auto_microbatches:
-        strategy.num_microbatches = strategy.num_stages
-    validate(strategy.schedule, strategy.num_stages, strategy.num_microbatches)
+@dataclass(frozen=True)
+class LaunchChecks:
+    """What the launcher checks of a ``fit``/``validate``/... call before it starts the other processes.
+
+    Args:
+        check_trainer: Refuses the Trainer's settings (:func:`check_trainer_settings`).
+        check_model: Refuses a model the pipeline cannot run (the strategy's ``check_model``).
+        num_stages: Pipeline stages ``P``.
+        replicas: Data-parallel replicas ``D``.
+        num_microbatches: Micro-batches per batch (``None``: ``"auto"``, chosen from the first batch).
+    """
+
+    check_trainer: Callable[[Trainer], None]
+    check_model: Callable[[LightningModule], None]
+    num_stages: int
+    replicas: int
+    num_microbatches: int | None
+
+    def wrap(self, launch: Callable) -> Callable:
+        """``launch`` run after the checks."""
+        return functools.partial(self._checked_launch, launch)
+
+    def _checked_launch(self, launch: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        # `fit(model, ...)`: find configuration errors here, before any other process starts.
+        trainer = kwargs.get("trainer")
+        if trainer is not None:
+            self.check_trainer(trainer)
+        if args and isinstance(args[0], LightningModule):
+            self.check_model(args[0])
+        limits = {}
+        if trainer is not None:
+            limits = {"max_steps": trainer.max_steps, "limit_batches": trainer.limit_train_batches}
+        loader = _argument(function, "train_dataloaders", args, kwargs)
+        datamodule = _argument(function, "datamodule", args, kwargs)
+        if isinstance(loader, LightningDataModule):  # `fit(model, datamodule)`, which Lightning accepts
+            loader, datamodule = None, loader
+        check_train_loader(loader, self.num_microbatches, self.num_stages, self.replicas, **limits)
+        check_datamodule(datamodule, self.num_microbatches, self.num_stages)
+        ckpt_path = _argument(function, "ckpt_path", args, kwargs)
+        if ckpt_path is not None:
+            check_checkpoint_path(ckpt_path)
+        return launch(function, *args, **kwargs)
+
+
+def configure_launcher(
+    strategy: PipelineProcesses,
+    start_method: str,
+    schedule: str,
+    num_microbatches: int | None,
+    check_model: Callable[[LightningModule], None],
+) -> _Launcher | None:
+    """Check the process count and the schedule, and return the launcher of ``strategy``'s processes (``None`` for
+    one process), which checks the call's model, Trainer and data before it starts the other processes.
+
+    Args:
+        strategy: The strategy whose processes are launched (``devices * num_nodes`` of them).
+        start_method: ``"popen"`` or ``"spawn"``.
+        schedule: The pipeline schedule.
+        num_microbatches: Micro-batches per batch (``None``: ``"auto"``, chosen from the first batch).
+        check_model: Refuses a model the pipeline cannot run (the strategy's ``check_model``).
+    """
+    num_processes, num_nodes, num_stages = strategy.num_processes, strategy.num_nodes, strategy.num_stages
+    check_process_count(num_processes, num_nodes, num_stages)
+    validate(schedule, num_stages, num_stages if num_microbatches is None else num_microbatches)
     if not strategy.multi_process:
         return None
-    if strategy.start_method == "popen":
+    replicas = max(1, num_processes * num_nodes // num_stages)
+    check_trainer = functools.partial(check_trainer_settings, multi_process=True)
+    checks = LaunchChecks(check_trainer, check_model, num_stages, replicas, num_microbatches)
+    if start_method == "popen":
         assert strategy.cluster_environment is not None
         launcher = _ScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     else:
-        launcher = _SpawnLauncher(strategy, start_method=strategy.start_method)
-    launcher.launch = functools.partial(_checked_launch, strategy, launcher.launch)
+        launcher = _SpawnLauncher(strategy, start_method=start_method)
+    launcher.launch = checks.wrap(launcher.launch)
     return launcher
-
-
-def _checked_launch(strategy: Any, launch: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
-    # `fit(model, ...)`: find configuration errors here, before any other process starts.
-    trainer = kwargs.get("trainer")
-    if trainer is not None:
-        check_trainer_settings(strategy, trainer)
-    if args and isinstance(args[0], LightningModule):
-        strategy.check_model(args[0])
-    replicas = max(1, strategy.num_processes * strategy.num_nodes // strategy.num_stages)
-    microbatches = None if strategy.auto_microbatches else strategy.num_microbatches
-    limits = {} if trainer is None else {"max_steps": trainer.max_steps, "limit_batches": trainer.limit_train_batches}
-    loader = _argument(function, "train_dataloaders", args, kwargs)
-    datamodule = _argument(function, "datamodule", args, kwargs)
-    if isinstance(loader, LightningDataModule):  # `fit(model, datamodule)`, which Lightning accepts
-        loader, datamodule = None, loader
-    check_train_loader(loader, microbatches, strategy.num_stages, replicas, **limits)
-    check_datamodule(datamodule, microbatches, strategy.num_stages)
-    ckpt_path = _argument(function, "ckpt_path", args, kwargs)
-    if ckpt_path is not None:
-        check_checkpoint_path(ckpt_path)
-    return launch(function, *args, **kwargs)
 
 
 def _argument(function: Callable, name: str, args: tuple, kwargs: dict) -> Any:

@@ -21,10 +21,14 @@ differs per process) is caught by the micro-batch fingerprint: see
 
 **Hooks.** Lightning's optimizer-step hooks for a pipeline stage, whose updates the stage runtime applies
 itself: :func:`before_optimizer_step`, and the refusal of an overridden ``configure_gradient_clipping``.
+
+**Micro-batches.** ``num_microbatches="auto"`` is decided by the first training batch
+(:func:`choose_num_microbatches`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -40,8 +44,24 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of
+
+log = logging.getLogger("lightning.pytorch.strategies.async_pp")
+
 # Keeps the stream of worker base seeds apart from the shuffle, which uses `seed + epoch` itself.
 _WORKER_STREAM = 0x5EED
+
+
+def choose_num_microbatches(batch: Any, num_stages: int, announce: bool) -> int:
+    """``num_microbatches="auto"``: the smallest valid number for this batch's size (logged if ``announce``)."""
+    size = batch_size_of(batch)
+    count = auto_num_microbatches(size, num_stages)
+    if announce:
+        log.info(
+            f"num_microbatches='auto': {count} micro-batches of {size // count} samples, the smallest number that "
+            f"is at least the {num_stages} pipeline stage(s) and divides the batch size {size}"
+        )
+    return count
 
 
 def local_seed() -> int:

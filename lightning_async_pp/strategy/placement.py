@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_async_pp.checkpoint import parameter_aliases
 from lightning_async_pp.runtime.contract import reads_batch
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, checkpoint_layers, select_layers
 from lightning_async_pp.runtime.ties import (
@@ -262,7 +263,6 @@ def place_stage(
     backend: str | None,
     activation_checkpointing: ActivationCheckpointing,
     data_group: Any,
-    aliases: dict[str, str],
     timeout: timedelta | None = None,
 ) -> StagePlacement:
     """Keep only this rank's stage of ``module``: drop the other layers, materialise this stage's, set up ties.
@@ -276,7 +276,6 @@ def place_stage(
         backend: Backend of the tie groups.
         activation_checkpointing: Which layers recompute their forward in backward.
         data_group: This stage's replicas, over which the module's metrics sync.
-        aliases: The whole model's parameter aliases (see :attr:`StagePlacement.parameter_aliases`).
         timeout: How long a collective on the tie groups waits before it fails (the strategy's ``timeout``).
     """
     stage, replica = dims.stage_of(rank), dims.replica_of(rank)
@@ -285,6 +284,7 @@ def place_stage(
     own = partition[stage]
     # Read on the whole model, before the other stages' layers are dropped (cheap on meta too).
     model_shapes = {n: tuple(t.shape) for n, t in module.state_dict().items()}
+    aliases = parameter_aliases(module)
     ties = find_ties(layers, partition)
     groups, sources = new_tie_groups(ties, dims.rank_of, dims.data_parallel_size, replica, stage, backend, timeout)
     recomputed = select_layers(layers, activation_checkpointing)

@@ -175,6 +175,18 @@ class PipelineProcesses(ParallelStrategy):
                 announce=self.local_rank == 0,
             )
 
+    @property
+    def process_groups(self) -> ProcessGroups | None:
+        """This rank's process groups, once :meth:`create_process_groups` made them (several processes only)."""
+        return self._groups
+
+    def create_process_groups(self) -> ProcessGroups:
+        """Create this rank's process groups (a collective: every rank, in ``setup``) and keep them."""
+        self._groups = ProcessGroups(
+            self.dims, self.global_rank, self.process_group_backend, self.root_device, self.timeout
+        )
+        return self._groups
+
     def gather_stages(self, obj: Any) -> list[Any] | None:
         """Collect ``obj`` from every stage of replica 0 on global rank 0, in stage order (a collective: every
         rank calls it), its tensors moved to the CPU. Replicas hold identical stages. Returns ``None`` on the

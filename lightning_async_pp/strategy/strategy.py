@@ -1,11 +1,22 @@
 """``AsyncPipelineStrategy``: PipeDream-2BW and 1F1B pipeline schedules as a Lightning strategy.
 
-The strategy implements Lightning's hooks and delegates: the job's processes to
-:mod:`~lightning_async_pp.strategy.topology`, cutting the model to
-:mod:`~lightning_async_pp.strategy.placement`, a stage's training to its
-:class:`~lightning_async_pp.runtime.stage.StageRuntime` (:mod:`~lightning_async_pp.strategy.stage_runtime`), one
-device to :mod:`~lightning_async_pp.strategy.single_device`, checkpoints to
-:mod:`~lightning_async_pp.strategy.checkpointing`.
+The strategy implements Lightning's hooks and delegates to the objects it builds from its settings: the job's
+processes and groups to :class:`~lightning_async_pp.strategy.processes.PipelineProcesses`, a rank's stage (its
+placed layers, :class:`~lightning_async_pp.runtime.stage.StageRuntime` and statistics) to
+:class:`~lightning_async_pp.strategy.stage_runtime.PipelineStage`, one device to
+:class:`~lightning_async_pp.strategy.single_device.SingleDevice`, checkpoints to
+:class:`~lightning_async_pp.strategy.checkpointing.PipelineCheckpoint`, failures to
+:class:`~lightning_async_pp.strategy.failure.FailureGuard`.
+
+On one device the strategy trains with exactly the same update rules (gradient on the previous weights,
+optimizer step on the current ones, optimizer state never rewound), through a path that shares no
+code with the multi-process runtime: it is the reference a pipeline must match, and a way to study
+staleness without a cluster.
+
+With a pipeline-ready module (see :mod:`lightning_async_pp.runtime.contract`) the strategy computes the
+loss itself, micro-batch by micro-batch, through ``pipeline_inputs``, ``pipeline_layers`` and
+``pipeline_loss``, and logs it as ``train/loss``; ``training_step`` is not called. On one device any
+other ``LightningModule`` trains through its own ``training_step`` with ``num_microbatches=1``.
 """
 
 from __future__ import annotations
@@ -31,16 +42,13 @@ from lightning_async_pp.checkpoint import is_sharded_checkpoint
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.runtime.contract import is_pipeline_module
-from lightning_async_pp.runtime.microbatch import auto_num_microbatches, batch_size_of
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
-from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import StepStats
 from lightning_async_pp.schedule import get_schedule
 from lightning_async_pp.strategy.checkpointing import (
+    PipelineCheckpoint,
     base_checkpoint_io,
-    load_sharded,
     remove_checkpoint,
-    save_sharded,
     sharded_checkpoint_io,
 )
 from lightning_async_pp.strategy.failure import FailureGuard
@@ -52,23 +60,17 @@ from lightning_async_pp.strategy.launch import (
 )
 from lightning_async_pp.strategy.lifecycle import (
     ResumableLoader,
+    choose_num_microbatches,
     local_seed,
     same_order_loader,
     sampler_kwargs,
 )
-from lightning_async_pp.strategy.placement import StagePlacement, layer_costs, partition_layers
+from lightning_async_pp.strategy.placement import layer_costs, partition_layers, place_stage
 from lightning_async_pp.strategy.processes import PipelineProcesses
 from lightning_async_pp.strategy.progress import show_epoch_without_total
 from lightning_async_pp.strategy.routing import report_routing
 from lightning_async_pp.strategy.single_device import SingleDevice
-from lightning_async_pp.strategy.stage_runtime import (
-    setup_stage,
-    stage_evaluation_step,
-    stage_training_step,
-    start_training,
-    write_trace,
-)
-from lightning_async_pp.strategy.stage_stats import StageStatistics
+from lightning_async_pp.strategy.stage_runtime import PipelineStage, StageOptions
 from lightning_async_pp.strategy.summary import use_pipeline_summary
 from lightning_async_pp.strategy.throughput import install_throughput_monitor
 
@@ -87,16 +89,6 @@ class AsyncPipelineStrategy(PipelineProcesses):
     micro-batches stream through them (see :mod:`lightning_async_pp.runtime.stage`). The last stage,
     which computes the loss, runs on global rank 0, so ``train/loss`` is logged where Lightning logs,
     without a per-step collective that would stall the pipeline.
-
-    On one device the strategy trains with exactly the same update rules (gradient on the previous weights,
-    optimizer step on the current ones, optimizer state never rewound), through a path that shares no
-    code with the multi-process runtime: it is the reference a pipeline must match, and a way to study
-    staleness without a cluster.
-
-    With a pipeline-ready module (see :mod:`lightning_async_pp.runtime.contract`) the strategy computes the
-    loss itself, micro-batch by micro-batch, through ``pipeline_inputs``, ``pipeline_layers`` and
-    ``pipeline_loss``, and logs it as ``train/loss``; ``training_step`` is not called. On one device any
-    other ``LightningModule`` trains through its own ``training_step`` with ``num_microbatches=1``.
 
     Args:
         schedule: ``"2bw"`` (asynchronous, one-step delay) or ``"1f1b"`` (synchronous).
@@ -188,24 +180,26 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.shard_optimizer = shard_optimizer
         self.start_method = start_method
         self._data_seed = 0
-        self._placement: StagePlacement | None = None
-        self._runtime: StageRuntime | None = None
-        self._stage_stats: StageStatistics | None = None
+        self._stage: PipelineStage | None = None
         self._single_device = SingleDevice()
-        self._no_loss: Tensor | None = None
         self._restored_sharded = False
         self._failure = FailureGuard()
 
     @property
+    def pipeline_stage(self) -> PipelineStage | None:
+        """This rank's stage once it is placed (several processes only)."""
+        return self._stage
+
+    @property
     def stage_layers(self) -> range | None:
         """The indices of this stage's layers once it is placed (several processes only)."""
-        return self._placement.stage_layers if self._placement is not None else None
+        return self._stage.placement.stage_layers if self._stage is not None else None
 
     @property
     def stage_stats(self) -> dict[int, deque[StepStats]]:
         """On global rank 0: every stage's :class:`StepStats` of the last ``STAGE_STATS_HISTORY`` steps (see
         :mod:`lightning_async_pp.strategy.stage_stats`), per stage, in step order."""
-        return self._stage_stats.records if self._stage_stats is not None else {}
+        return self._stage.stats.records if self._stage is not None else {}
 
     @property
     @override
@@ -214,11 +208,19 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def _configure_launcher(self) -> None:
-        self._launcher = configure_launcher(self)
+        if self.auto_microbatches:
+            self.num_microbatches = self.num_stages  # the least "auto" can choose, until the first batch
+        known = None if self.auto_microbatches else self.num_microbatches
+        self._launcher = configure_launcher(self, self.start_method, self.schedule, known, self.check_model)
 
     def check_model(self, module: LightningModule) -> None:
         """Raise a clear error if ``module`` cannot be trained as this pipeline (called before launching)."""
-        check_pipeline_model(self, module)
+        precision = self.precision_plugin.precision if self.precision_plugin is not None else "32-true"
+        time_balanced = self.balance == "time" and self.split_points is None
+        num_stages = self.num_stages if self.multi_process else None
+        check_pipeline_model(
+            module, precision, self.activation_checkpointing, num_stages, time_balanced, self.layer_partition
+        )
 
     def layer_partition(self, module: LightningModule) -> list[range]:
         """The layers of each stage, from ``split_points`` or balanced by ``balance``."""
@@ -259,57 +261,66 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        check_trainer_settings(self, trainer)
+        check_trainer_settings(trainer, self.multi_process)
         module = self.lightning_module
         self.check_model(module)
         use_pipeline_summary(trainer)  # one table of every stage, not this rank's stage only
         show_epoch_without_total(trainer)
-        install_throughput_monitor(self, trainer)  # before the stage is cut: rank 0 copies the layers to meta
+        # Before the stage is cut: rank 0 copies the layers to meta.
+        install_throughput_monitor(trainer, module, self.is_global_zero)
         if self.multi_process:
-            setup_stage(self, trainer)
+            self._stage = self._setup_stage(trainer, module)
         else:
             # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
             self._data_seed = local_seed()
             self._single_device.setup(module, self.num_microbatches, self.activation_checkpointing)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            report_routing(self, self.optimizers)
+            total = functools.partial(self.reduce, reduce_op="sum")
+            report_routing(self.optimizers, self.root_device, self.dims, self.global_rank, total)
             if self.multi_process:
-                start_training(self, trainer)
+                count = None if self.auto_microbatches else self.num_microbatches  # "auto": at the first batch
+                self._stage.start_training(trainer, self.optimizers, count)
         if self.multi_process:
-            base_checkpoint_io(self.checkpoint_io).process_group = self._groups.checkpoint
+            base_checkpoint_io(self.checkpoint_io).process_group = self._stage.groups.checkpoint
 
-    # --- the training step ---------------------------------------------------------------------------
+    def _setup_stage(self, trainer: Trainer, module: LightningModule) -> PipelineStage:
+        """Create the process groups, agree on the data order, and cut the module down to this rank's stage."""
+        dims, rank = self.dims, self.global_rank
+        groups = self.create_process_groups()
+        # The heartbeat starts while every rank is here, well within the timeout.
+        self._failure.start(groups.watchdog, dims, rank, self.timeout)
+        # One data order for every stage of a pipeline: the shuffle seed is rank 0's (see data_order).
+        self._data_seed = self.broadcast(local_seed(), src=0)
+        earlier = self._stage
+        # A module cut by an earlier fit/validate/test of this Trainer has lost the other stages' layers.
+        if earlier is not None and earlier.placement.module is module:
+            placement, runtime = earlier.placement, earlier.runtime
+        else:
+            partition, checkpointing = self.layer_partition(module), self.activation_checkpointing
+            where = (dims, rank, self.root_device, self.process_group_backend, checkpointing, groups.data, self.timeout)
+            placement, runtime = place_stage(module, partition, *where), None
+        groups.metrics.attach(trainer)
+        options = StageOptions(self.schedule, self.trace_dir, self.stage_timing, self.shard_optimizer)
+        forward_context = self.precision_plugin.forward_context
+        return PipelineStage(dims, rank, self.root_device, groups, placement, options, forward_context, runtime)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
-        if self.auto_microbatches:
-            self._choose_num_microbatches(batch)
-        if self._runtime is not None:
-            return stage_training_step(self, module, batch)
+        if self.auto_microbatches:  # decided once, by the first training batch, on every rank alike
+            self.num_microbatches = choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
+            self.auto_microbatches = False
+        if self._stage is not None:
+            return self._stage.training_step(module, batch, self.num_microbatches)
         if not is_pipeline_module(module):
             return super().training_step(*args, **kwargs)
         return self._single_device.training_step(module, batch, self.num_microbatches, self.precision_plugin)
 
-    def _choose_num_microbatches(self, batch: Any) -> None:
-        """``num_microbatches="auto"``: the smallest valid number for this batch size, once, on every rank alike."""
-        size = batch_size_of(batch)
-        count = auto_num_microbatches(size, self.num_stages)
-        self.auto_microbatches = False
-        self.num_microbatches = count
-        if self._runtime is not None:
-            self._runtime.num_microbatches = count
-        if self.is_global_zero:
-            log.info(
-                f"num_microbatches='auto': {count} micro-batches of {size // count} samples, the smallest number that "
-                f"is at least the {self.num_stages} pipeline stage(s) and divides the batch size {size}"
-            )
-
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._runtime is not None:
+        if self._stage is not None:
             return closure_loss
         loss = self._single_device.backward(self, closure_loss, optimizer, *args, **kwargs)
         return loss if loss is not None else super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -322,7 +333,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._runtime is not None:
+        if self._stage is not None:
             # The stage runtime applies its updates itself, on its own clock, inside the step.
             return closure()
         if get_schedule(self.schedule).reference_delay:  # one step: DelayedWeights
@@ -339,12 +350,10 @@ class AsyncPipelineStrategy(PipelineProcesses):
         progress = trainer.fit_loop.epoch_loop.batch_progress
         return ResumableLoader(dataloader, lambda: progress.current.completed)
 
-    # --- flushes: validation, checkpoints, the end of training ---------------------------------------
-
     def flush(self) -> None:
         """Finish all in-flight micro-batches and apply pending updates (no-op on one device)."""
-        if self._runtime is not None:
-            self._runtime.drain()
+        if self._stage is not None:
+            self._stage.drain()
 
     @override
     def on_validation_start(self) -> None:
@@ -354,31 +363,34 @@ class AsyncPipelineStrategy(PipelineProcesses):
     @override
     def on_train_end(self) -> None:
         self.flush()
-        if self._stage_stats is not None:
-            remaining = self._runtime.take_stats() if self._runtime is not None else []
-            self._stage_stats.finish(remaining, self.lightning_module.trainer)
-        write_trace(self)
+        if self._stage is not None:
+            self._stage.finish(self.lightning_module.trainer, self.gather_stages)
         super().on_train_end()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.multi_process:
             return super().validation_step(*args, **kwargs)
-        return stage_evaluation_step(self, "validation", args, kwargs)
+        return self._evaluation_step("validation", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.multi_process:
             return super().test_step(*args, **kwargs)
-        return stage_evaluation_step(self, "test", args, kwargs)
+        return self._evaluation_step("test", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.multi_process:
             return super().predict_step(*args, **kwargs)
-        return stage_evaluation_step(self, "predict", args, kwargs)
+        return self._evaluation_step("predict", args, kwargs)
 
-    # --- checkpoints ---------------------------------------------------------------------------------
+    def _evaluation_step(self, kind: str, args: tuple, kwargs: dict) -> Any:
+        batch = kwargs["batch"] if "batch" in kwargs else args[0]
+        batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+        # Up to the micro-batches training uses; with "auto", 1 until a training batch chose them.
+        count = 1 if self.auto_microbatches else self.num_microbatches
+        return self._stage.evaluation_step(self.lightning_module, kind, batch, batch_idx, count)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -409,7 +421,21 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
         Every rank calls this (Lightning's ``trainer.save_checkpoint`` and ``ModelCheckpoint`` do).
         """
-        save_sharded(self, checkpoint, filepath, storage_options)
+        self._checkpoint().save(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    def _checkpoint(self) -> PipelineCheckpoint:
+        return PipelineCheckpoint(
+            self.lightning_module,
+            self.optimizers,
+            self.schedule,
+            self.dims,
+            self.global_rank,
+            self.num_microbatches,
+            self.root_device,
+            self.shard_optimizer,
+            self._stage,
+            self._single_device.delayed_weights,
+        )
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -423,7 +449,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if not is_sharded_checkpoint(checkpoint_path):
             check_checkpoint_path(checkpoint_path)  # one process: no launcher checked it
             return self.checkpoint_io.load_checkpoint(checkpoint_path)  # a single-file (consolidated) checkpoint
-        meta = load_sharded(self, checkpoint_path)
+        meta = self._checkpoint().load(self.checkpoint_io, checkpoint_path)
         self._restored_sharded = True
         return meta
 

@@ -312,9 +312,9 @@ class PipelineThroughputMonitor(Callback):
         if not trainer.is_global_zero:
             return
         strategy = trainer.strategy
-        placement = getattr(strategy, "_placement", None)
+        stage = getattr(strategy, "pipeline_stage", None)  # AsyncPipelineStrategy's, once the stages are placed
         if self._layers is not None:
-            self._partition = placement.partition if placement is not None else [range(len(self._layers))]
+            self._partition = stage.placement.partition if stage is not None else [range(len(self._layers))]
         self._peak, source = peak_flops_of(strategy.root_device, self.peak_flops)
         if self._peak is None:
             log.info(
@@ -389,7 +389,7 @@ class PipelineThroughputMonitor(Callback):
         )
 
 
-def install_throughput_monitor(strategy: Any, trainer: Trainer) -> None:
+def install_throughput_monitor(trainer: Trainer, module: LightningModule, is_global_zero: bool) -> None:
     """Add a :class:`PipelineThroughputMonitor` unless the trainer has one (or no logger); let rank 0's copy the
     model's layers before the strategy cuts them. Call in the strategy's ``setup``, before the stage is placed."""
     if trainer.state.fn != TrainerFn.FITTING:
@@ -404,5 +404,5 @@ def install_throughput_monitor(strategy: Any, trainer: Trainer) -> None:
             return
         monitors = [PipelineThroughputMonitor()]
         trainer.callbacks.append(monitors[0])
-    if strategy.is_global_zero:
-        monitors[0].snapshot(strategy.lightning_module)
+    if is_global_zero:
+        monitors[0].snapshot(module)

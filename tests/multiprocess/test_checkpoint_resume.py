@@ -56,6 +56,9 @@ CASES = [
     pytest.param((2, None), (3, None), (M, M), False, id="P2-to-P3"),
     pytest.param((3, None), (1, None), (M, M), False, id="P3-to-P1"),
     pytest.param((2, None), (4, 2), (M, M // 2), False, id="P2-to-P2xD2"),
+    # "auto" (2 micro-batches of the 8 samples on 2 stages) builds the runtime at the first batch, after the
+    # checkpoint was read: the weight version and w[t-1] are held for it until then.
+    pytest.param((2, None), (2, None), (M, "auto"), False, id="P2-to-P2-auto"),
 ]
 
 

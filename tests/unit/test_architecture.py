@@ -10,7 +10,16 @@ import pytest
 
 PACKAGE = "lightning_async_pp"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
-MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES, MAX_STRATEGY_LINES = 400, 80, 6, 450
+MAX_CLASS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 400, 500, 60, 6
+
+# Known exceptions to the size rules, each with what would bring it under; the list only shrinks.
+KNOWN_LONG = {
+    "lightning_async_pp.models.hf": "the transformers layers as pipeline layers (Embedding, DecoderLayer, Head) "
+    "belong in a module of their own",
+    "lightning_async_pp.runtime.stage": "StageRuntime's per-action handlers, which could be a handler table of "
+    "their own, beside the interpreter",
+    "lightning_async_pp.schedule.transfers.host_program": "a segment's posting; the plan to execute (issue 36)",
+}
 
 
 def module_name(path: Path) -> str:
@@ -138,34 +147,58 @@ def test_nothing_outside_demos_imports_demos():
     assert not offenders, offenders
 
 
-def too_long(trees: dict[str, ast.Module]) -> list[str]:
-    out = []
-    for name, tree in trees.items():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                lines = node.end_lineno - start + 1
-                limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
-                if lines > limit:
-                    out.append(f"{name}.{node.name}: {lines} lines (at most {limit})")
-    return out
+def qualified_nodes(tree: ast.Module, prefix: str):
+    """Every class and function of ``tree`` with its dotted name (``module.Class.method``)."""
+    stack = [(node, prefix) for node in tree.body]
+    while stack:
+        node, outer = stack.pop()
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = f"{outer}.{node.name}"
+            yield name, node
+            stack.extend((child, name) for child in node.body)
+        else:
+            stack.extend((child, outer) for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
 
 
-def test_no_class_or_function_too_long():
-    offenders = too_long(TREES)
+def too_long(trees: dict[str, ast.Module], lines: dict[str, int] | None = None) -> list[str]:
+    """Classes over ``MAX_CLASS_LINES``, functions over ``MAX_FUNCTION_LINES`` and modules (of ``lines`` lines)
+    over ``MAX_MODULE_LINES``."""
+    out = [
+        f"{name}: {count} lines (at most {MAX_MODULE_LINES})"
+        for name, count in (lines or {}).items()
+        if count > MAX_MODULE_LINES
+    ]
+    for module, tree in trees.items():
+        for name, node in qualified_nodes(tree, module):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            count = node.end_lineno - start + 1
+            limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+            if count > limit:
+                out.append(f"{name}: {count} lines (at most {limit})")
+    return sorted(out)
+
+
+def test_no_module_class_or_function_too_long():
+    lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    offenders = [o for o in too_long(TREES, lines) if o.split(":")[0] not in KNOWN_LONG]
     assert not offenders, offenders
 
 
-def test_top_level_modules_and_strategy_size():
+def test_the_known_long_ones_are_still_long():
+    """An exception that was fixed leaves the list (so the list only shrinks)."""
+    lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    long = {o.split(":")[0] for o in too_long(TREES, lines)}
+    assert sorted(set(KNOWN_LONG) - long) == []
+
+
+def test_top_level_modules():
     top_level = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(top_level) <= MAX_TOP_LEVEL_MODULES, top_level
-    defining = [p for p in MODULES.values() if "class AsyncPipelineStrategy(" in p.read_text()]
-    assert len(defining) == 1
-    assert len(defining[0].read_text().splitlines()) <= MAX_STRATEGY_LINES, defining[0]
 
 
 def test_the_checks_can_fail():
-    """The helpers above find a cycle, a long function and a long class when there is one."""
+    """The helpers above find a cycle, a long function, class and module, a reach into another module's private
+    attribute and a package object passed as ``Any`` when there is one."""
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
     body = "    x = 1\n" * MAX_FUNCTION_LINES
@@ -175,6 +208,139 @@ def test_the_checks_can_fail():
     )
     assert too_long({"m": long_function}) == [f"m.f: {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"]
     assert too_long({"m": long_class}) == [f"m.C: {MAX_CLASS_LINES + 1} lines (at most {MAX_CLASS_LINES})"]
+    assert too_long({}, {"m": MAX_MODULE_LINES + 1}) == [
+        f"m: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})"
+    ]
+    owner = ast.parse("class S:\n    def __init__(self):\n        self._runtime = None\n")
+    reader = ast.parse("def f(strategy):\n    return strategy._runtime, self._own, torch._foreach_add\n")
+    assert private_reaches({"owner": owner, "reader": reader}) == ["reader:2 strategy._runtime"]
+    assert any_typed_package_objects({"m": ast.parse("def f(strategy: Any, n: Any): pass")}, {"strategy"}) == [
+        "m.f(strategy: Any)"
+    ]
+
+
+# The private attributes of torch, Lightning and other libraries the package must use, each with its reason.
+# Everything else named `X._name` (X not `self`/`cls`) must be defined in the module that reads it.
+ALLOWED_PRIVATE = {
+    "_adjust_lr": "torch.optim.Muon's learning-rate scale by matrix shape, applied by the batched step too",
+    "_foreach_": "torch's fused multi-tensor ops (torch._foreach_*), which have no public equivalent",
+    "_Unpickler": "pickle's Python unpickler, the one whose find_class a safe loader can override",
+    "_StorageInfo": "torch.distributed.checkpoint's class, allowed by name when a checkpoint index is unpickled",
+    "_parse_ckpt_path": "LightningCLI's hook, extended by the package's CLI",
+    "_getframe": "sys._getframe: MetaLayers finds the module being constructed",
+    "_attn_implementation": "a Hugging Face config's attention kernel, which has no public setter",
+    "_is_hf_initialized": "Hugging Face's mark of a tensor its loader has already initialised",
+    "_init_weights": "a Hugging Face model's per-module initialisation",
+    "_zeropower_via_newtonschulz": "torch's Muon orthogonalisation, shared rather than copied",
+    "_init_group": "torch optimizers' per-group state set-up, extended by Muon",
+    "_is_profiler_enabled": "torch.autograd.profiler: label actions only while profiling",
+    "_parameters": "nn.Module's parameter dict, to swap weight versions and re-tie weights without re-registering",
+    "_modules": "nn.Module's children dict, to replace a layer that lives on another stage",
+    "_version": "a tensor's in-place version counter (torch), which tells that a cached cast is stale",
+    "_forward_hooks": "nn.Module's forward hooks, which a cached cast must not skip",
+    "_forward_pre_hooks": "nn.Module's forward pre-hooks, which a cached cast must not skip",
+    "_ensure_setup": "Lightning's AsyncCheckpointIO starts its executor lazily",
+    "_executor": "Lightning's AsyncCheckpointIO's queue, to order a removal or a hand-over after the queued saves",
+    "_checkpoint_io": "Lightning's checkpoint plugin wrapper, whose base plugin the strategy sets",
+    "_base_checkpoint_io_configured": "Lightning's checkpoint plugin wrapper, told its base plugin is set",
+    "_exit": "os._exit: a failed rank ends without running exit handlers that would hang",
+    "_abort_process_group": "torch.distributed's abort of every group at once, as NCCL needs",
+    "_get_default_store": "torch.distributed's store, on which the watchdog's heartbeat runs",
+    "_collect_rank_zero_results": "Lightning's spawn launcher's hook, extended to gather every stage",
+    "_num_samples": "a DistributedSampler's per-replica count, which a resumed epoch shortens",
+    "_call_callback_hooks": "Lightning's call of the callbacks' hooks, run by a stage before each update",
+    "_call_lightning_module_hook": "Lightning's call of the module's hooks, run by a stage before each update",
+    "_results": "Lightning's logged results, which the metrics relay copies to the other stages",
+    "_get_train_description": "Lightning's RichProgressBar's epoch text, replaced for max_epochs=-1",
+    "_epoch_without_total": "the package's mark on a Lightning progress bar it already changed",
+    "_signal_connector": "Lightning's signal handlers, replaced so that SIGTERM needs no collective",
+    "_broadcast_sigterm_tensor": "Lightning's per-step SIGTERM collective, replaced by the metrics relay",
+    "_accelerator_connector": "Lightning's connector, which names the cluster environment",
+    "_sigterm_notifier_fn": "Lightning's SIGTERM handler, replaced by one that only records the signal",
+    "_slurm_sigusr_handler_fn": "Lightning's SLURM requeue handler, replaced by one that only records the signal",
+    "_opt_called": "torch's flag that an optimizer stepped: the stage's first update comes after the scheduler's",
+    "_max_depth": "Lightning's ModelSummary depth, kept by the pipeline summary that replaces it",
+    "_compiled_call_impl": "torch.compile's wrapped forward, left out of the meta copy that counts FLOPs",
+    # StageRuntime's message methods, read by runtime/evaluation.py until the runtime makes them public.
+}
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """The private names a module defines: its functions and classes, class-body assignments, and attributes it
+    sets on ``self`` or ``cls``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+    return names
+
+
+def private_reaches(trees: dict[str, ast.Module]) -> list[str]:
+    """Every ``X._name`` (read or written) where ``X`` is not ``self``/``cls`` and the module does not define
+    ``_name`` itself, less :data:`ALLOWED_PRIVATE`."""
+    out = []
+    for module, tree in trees.items():
+        own = _own_names(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in own or any(node.attr.startswith(allowed) for allowed in ALLOWED_PRIVATE):
+                continue
+            out.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    return sorted(out)
+
+
+def test_no_module_reaches_into_another_objects_private_attributes():
+    offenders = private_reaches(TREES)
+    assert not offenders, offenders
+
+
+def package_object_names() -> set[str]:
+    """The names a parameter holding one of the package's objects goes by: the snake_case of each class's name
+    and of its trailing words (``AsyncPipelineStrategy``: ``strategy``, ``pipeline_strategy``, ...)."""
+    names = set()
+    for tree in TREES.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                words = [w.lower() for w in re.findall(r"[A-Z][a-z0-9]*|[a-z0-9]+", node.name)]
+                names.update("_".join(words[i:]) for i in range(len(words)) if len(words[i]) > 2)
+    return names
+
+
+def any_typed_package_objects(trees: dict[str, ast.Module], names: set[str]) -> list[str]:
+    """Parameters annotated ``Any`` (or ``Any | None``) whose name says they hold one of the package's objects."""
+    out = []
+    for module, tree in trees.items():
+        for qualified, node in qualified_nodes(tree, module):
+            if isinstance(node, ast.ClassDef):
+                continue
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for arg in arguments:
+                annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if annotation in ("Any", "Any | None") and arg.arg in names:
+                    out.append(f"{qualified}({arg.arg}: {annotation})")
+    return sorted(out)
+
+
+# Words that name a user's or a library's object as often as one of the package's (a user's module, its output,
+# a DataLoader), and parameters still to be typed, each with its reason.
+GENERIC_NAMES = {"module", "output", "loader"}
+KNOWN_ANY: dict[str, str] = {}
+
+
+def test_no_package_object_is_passed_as_any():
+    offenders = any_typed_package_objects(TREES, package_object_names() - GENERIC_NAMES)
+    offenders = [o for o in offenders if o not in KNOWN_ANY]
+    assert not offenders, offenders
 
 
 DOC = ROOT.parent / "docs" / "architecture.md"

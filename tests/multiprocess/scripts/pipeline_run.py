@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--pipeline-size", type=int, default=None)
     parser.add_argument("--schedule", default="2bw")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=lambda v: v if v == "auto" else int(v), default=4, help="or 'auto'")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)

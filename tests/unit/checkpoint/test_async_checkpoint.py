@@ -2,7 +2,7 @@
 flight at a time, and the thread writes from the stage's CUDA device.
 
 Both asynchronous paths are covered: ``ShardedCheckpointIO(async_save=True)`` and Lightning's ``AsyncCheckpointIO``
-around it, fed by the strategy's ``save_sharded``. The writer is held in the save thread (patched
+around it, fed by the strategy's ``PipelineCheckpoint.save``. The writer is held in the save thread (patched
 ``FileSystemWriter.write_data``) so that training "continues" (the test changes the tensors in place) before
 anything is written.
 """
@@ -10,7 +10,6 @@ anything is written.
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 import lightning_async_pp.checkpoint.io as sharded_io
 from lightning_async_pp.checkpoint import ShardedCheckpointIO, read_tensors
 from lightning_async_pp.strategy import checkpointing
-from lightning_async_pp.strategy.checkpointing import save_sharded
+from lightning_async_pp.strategy.checkpointing import PipelineCheckpoint
+from lightning_async_pp.strategy.topology import PipelineDims
 
 KINDS = ["async_save", "lightning-AsyncCheckpointIO"]
 
@@ -32,24 +32,12 @@ def _io(kind: str):
     return AsyncCheckpointIO(ShardedCheckpointIO())
 
 
-def _strategy(io, module: nn.Module, device: torch.device | None = None) -> SimpleNamespace:
-    """What ``save_sharded`` reads of the strategy, for a weights-only checkpoint on one process."""
-    return SimpleNamespace(
-        checkpoint_io=io,
-        lightning_module=module,
-        optimizers=[],
-        replica=0,
-        stage=0,
-        multi_process=False,
-        is_global_zero=False,
-        _placement=None,
-        root_device=device or torch.device("cpu"),
-    )
-
-
 def _save(io, module: nn.Module, path, device: torch.device | None = None) -> None:
     checkpoint = {"state_dict": module.state_dict()}
-    save_sharded(_strategy(io, module, device), checkpoint, path, None)
+    # A weights-only checkpoint of the stage on global rank 1 (which writes no metadata), as one process sees it.
+    dims = PipelineDims.for_workers(2, 2)
+    writer = PipelineCheckpoint(module, [], "1f1b", dims, 1, 1, device or torch.device("cpu"))
+    writer.save(io, checkpoint, path, None)
 
 
 def _finish(io) -> None:

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from lightning_async_pp.optim import DelayCorrected, Muon
-from lightning_async_pp.optim.muon import zeropower_via_newtonschulz_batched, zeropower_via_newtonschulz_float32
+from lightning_async_pp.optim.newton_schulz import (
+    zeropower_via_newtonschulz_batched,
+    zeropower_via_newtonschulz_float32,
+)
 from lightning_async_pp.runtime.sharding import keep_owned
 
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "checkpoints"

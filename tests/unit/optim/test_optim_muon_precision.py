@@ -9,7 +9,7 @@ import torch
 import torch.optim._muon as torch_muon
 
 from lightning_async_pp.optim import DelayCorrected, Muon
-from lightning_async_pp.optim.muon import (
+from lightning_async_pp.optim.newton_schulz import (
     auto_newton_schulz_dtype,
     newton_schulz_dtype,
     use_float32_newton_schulz,

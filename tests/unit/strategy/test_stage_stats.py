@@ -62,6 +62,7 @@ def test_a_single_rank_reports_its_own_records():
 def test_the_strategy_exposes_rank_zeros_records():
     strategy = AsyncPipelineStrategy(pipeline_parallel_size=2)
     assert strategy.stage_stats == {}
-    strategy._stage_stats = StageStatistics(num_stages=2)
-    strategy._stage_stats.record(1, StepStats(step=0, wall=1.0), trainer_with(Logger(), 1))
+    stats = StageStatistics(num_stages=2)
+    strategy._stage = SimpleNamespace(stats=stats)  # what the strategy reads of its placed PipelineStage
+    stats.record(1, StepStats(step=0, wall=1.0), trainer_with(Logger(), 1))
     assert list(strategy.stage_stats) == [1]
