@@ -12,7 +12,8 @@ Per stage ``s`` of ``P``, in bytes (:class:`StageMemory`):
 - gradients: ``.grad``, plus the flat buffer the replicas' all-reduce (or reduce-scatter) reads when ``D > 1``,
   plus the reduce-scatter's output (``1/D``) with ``shard_optimizer``;
 - optimizer state: what the optimizer creates for the stage's parameters, ``1/D`` of it with ``shard_optimizer``
-  (whole tensors are owned, so a replica holds about that share);
+  (whole tensors are owned, so a replica holds about that share); ``DelayCorrected``'s buffer of the previous
+  update is counted apart as the correction, divided alike;
 - low-precision copies: autocast's copy of the weights it casts, one per weight version held
   (:func:`low_precision_copies`), none without autocast;
 - activations: at most ``P - s`` micro-batches in flight (fewer when ``M`` is smaller, under 1F1B), each keeping
@@ -22,7 +23,7 @@ Per stage ``s`` of ``P``, in bytes (:class:`StageMemory`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_async_pp.schedule.generate import build_schedule, stage_footprint
@@ -47,7 +48,8 @@ class ParameterFigures:
     Attributes:
         numel: Its elements.
         nbytes: One copy of it, in its dtype.
-        optimizer_bytes: The state the optimizer creates for it.
+        optimizer_bytes: The state the optimizer creates for it, besides the delay correction's buffer.
+        correction_bytes: ``DelayCorrected``'s buffer of its previous update.
         cast_bytes: The low-precision copy autocast makes of it and keeps for backward (0 when it is not cast).
     """
 
@@ -55,6 +57,7 @@ class ParameterFigures:
     nbytes: int
     optimizer_bytes: int
     cast_bytes: int = 0
+    correction_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,37 @@ def low_precision_copies(weight_versions: int, autocast: bool) -> int:
     return weight_versions if autocast else 0
 
 
+Owners = Callable[[Mapping[str, int], int], Mapping[str, int]]
+
+
+def _gradients_and_state(
+    params: Mapping[str, ParameterFigures], replicas: int, shard: bool, owners: Owners | None
+) -> tuple[int, int, int]:
+    """A stage's gradient bytes (``.grad`` and the replicas' flat buffer), optimizer state and correction.
+
+    Sharded, the flat buffer holds one segment per replica, each as long as the longest (the tensors a replica
+    owns), and the owner receives its segment; the replica owning the most state is the one counted.
+    """
+    weight = sum(p.nbytes for p in params.values())
+    state = sum(p.optimizer_bytes for p in params.values())
+    correction = sum(p.correction_bytes for p in params.values())
+    if replicas == 1:
+        return weight, state, correction
+    if not shard:
+        return 2 * weight, state, correction
+    if owners is None:
+        return 2 * weight + weight // replicas, state // replicas, correction // replicas
+    owner = owners({name: p.nbytes for name, p in params.items()}, replicas)
+    segments, held = [0] * replicas, [(0, 0)] * replicas
+    for name, p in params.items():
+        r = owner[name]
+        segments[r] += p.nbytes
+        held[r] = (held[r][0] + p.optimizer_bytes, held[r][1] + p.correction_bytes)
+    longest = max(segments)
+    heaviest = max(held, key=sum)
+    return weight + replicas * longest + longest, heaviest[0], heaviest[1]
+
+
 @dataclass(frozen=True)
 class StageMemory:
     """The bytes one stage holds at its peak (see the module's docstring for what each line counts)."""
@@ -99,6 +133,7 @@ class StageMemory:
     weight_versions: int
     gradients: int
     optimizer_state: int
+    correction: int
     low_precision_copies: int
     copies: int
     activations_per_microbatch: int
@@ -112,6 +147,7 @@ class StageMemory:
             self.weights
             + self.gradients
             + self.optimizer_state
+            + self.correction
             + self.low_precision_copies
             + self.activations
             + self.recompute_transient
@@ -177,6 +213,7 @@ def stage_memory(
     autocast: bool,
     activation_scale: float = 1.0,
     loss_saved_bytes: int = 0,
+    owners: Owners | None = None,
 ) -> list[StageMemory]:
     """Every stage's peak bytes.
 
@@ -191,6 +228,9 @@ def stage_memory(
         autocast: Whether a mixed precision casts the weights (``bf16-mixed``, ``16-mixed``).
         activation_scale: The micro-batch's size over the measured one (activations grow with it).
         loss_saved_bytes: What the loss saves for backward, at the measured size.
+        owners: With ``shard_optimizer``, which replica owns each parameter given their bytes and ``D`` (the
+            runtime's ``plan_owners``): the heaviest replica is counted, and the flat buffer padded as the
+            runtime pads it. ``None`` counts an even split.
     """
     P = len(partition)
     out = []
@@ -202,12 +242,7 @@ def stage_memory(
         weight = sum(p.nbytes for p in params.values())
         footprint = stage_footprint(schedule, P, num_microbatches, s)
         in_flight = 1 if s == P - 1 else footprint.max_in_flight
-        gradients = weight
-        if replicas > 1:
-            gradients += weight + (weight // replicas if shard_optimizer else 0)
-        state = sum(p.optimizer_bytes for p in params.values())
-        if shard_optimizer:
-            state //= replicas
+        gradients, state, correction = _gradients_and_state(params, replicas, shard_optimizer, owners)
         copies = low_precision_copies(footprint.weight_versions, autocast)
         per_mb, transient = activation_bytes(
             own, [recomputed[i] for i in indices], s == 0, s == P - 1, loss_saved_bytes
@@ -222,6 +257,7 @@ def stage_memory(
                 weight_versions=footprint.weight_versions,
                 gradients=gradients,
                 optimizer_state=state,
+                correction=correction,
                 low_precision_copies=copies * sum(p.cast_bytes for p in params.values()),
                 copies=copies,
                 activations_per_microbatch=per_mb,

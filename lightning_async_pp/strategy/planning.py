@@ -28,9 +28,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_async_pp.optim.delay_corrected import STATE_KEY as CORRECTION_KEY
 from lightning_async_pp.runtime.contract import require_pipeline_module, run_layers
 from lightning_async_pp.runtime.microbatch import map_tensors, tensors_of
 from lightning_async_pp.runtime.recompute import select_layers
+from lightning_async_pp.runtime.sharding import plan_owners
 from lightning_async_pp.runtime.ties import parameter_slots, retie
 from lightning_async_pp.schedule.partition import balanced_partition, stage_ranges
 from lightning_async_pp.schedule.plan import LayerFigures, ParameterFigures, predict_time, stage_memory
@@ -99,8 +101,9 @@ class ModelFigures:
     autocast: bool
 
 
-def optimizer_state_bytes(module: LightningModule, max_steps: int) -> dict[str, int]:
-    """Bytes of optimizer state per parameter name, as the module's ``configure_optimizers`` creates it.
+def optimizer_state_bytes(module: LightningModule, max_steps: int) -> dict[str, tuple[int, int]]:
+    """Bytes of optimizer state per parameter name, as the module's ``configure_optimizers`` creates it:
+    ``(state, delay correction's previous update)``.
 
     The module's parameters must be on the meta device: the optimizers are stepped once on meta gradients, so
     nothing is allocated. A learning-rate schedule that reads the trainer sees a bare CPU trainer of
@@ -127,11 +130,15 @@ def optimizer_state_bytes(module: LightningModule, max_steps: int) -> dict[str, 
     for optimizer in optimizers:
         optimizer.step()
     names = {id(p): name for name, p in module.named_parameters()}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, tuple[int, int]] = {}
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
-            held = sum(t.numel() * t.element_size() for t in tensors_of(state) if isinstance(t, Tensor))
-            sizes[names[id(param)]] = sizes.get(names[id(param)], 0) + held
+            held = [0, 0]
+            for key, value in state.items():
+                for t in tensors_of(value):
+                    held[key == CORRECTION_KEY] += t.numel() * t.element_size()
+            before = sizes.get(names[id(param)], (0, 0))
+            sizes[names[id(param)]] = (before[0] + held[0], before[1] + held[1])
     for p in params:
         p.grad = None
     return sizes
@@ -170,18 +177,19 @@ def _fake_layers(module: LightningModule, layers: Sequence[nn.Module], mode: Fak
 
 
 def _layer_figures(
-    layer: nn.Module, names: dict[int, str], state: dict[str, int], saved: dict, casts: dict, ends: tuple
+    layer: nn.Module, names: dict[int, str], state: dict[str, tuple[int, int]], saved: dict, casts: dict, ends: tuple
 ) -> LayerFigures:
     inputs, outputs = ends
     weights = {StorageWeakRef(p.untyped_storage()) for p in layer.parameters()}
     cast_bytes = {casts[key]: size for key, size in saved.items() if key in casts}
     rest = sum(size for key, size in saved.items() if key not in weights | set(casts) | set(inputs) | set(outputs))
-    parameters = {
-        names[id(p)]: ParameterFigures(
-            p.numel(), p.numel() * p.element_size(), state.get(names[id(p)], 0), cast_bytes.get(names[id(p)], 0)
+    parameters = {}
+    for p in layer.parameters():
+        name = names[id(p)]
+        optimizer, correction = state.get(name, (0, 0))
+        parameters[name] = ParameterFigures(
+            p.numel(), p.numel() * p.element_size(), optimizer, cast_bytes.get(name, 0), correction
         )
-        for p in layer.parameters()
-    }
     return LayerFigures(
         parameters=parameters,
         saved_bytes=rest,
@@ -197,7 +205,7 @@ def measure_model(
     module: LightningModule,
     microbatch: Any,
     autocast_dtype: torch.dtype | None,
-    optimizer_state: dict[str, int],
+    optimizer_state: dict[str, tuple[int, int]],
 ) -> ModelFigures:
     """Every pipeline layer's figures for one ``microbatch`` (its tensors' shapes are what counts).
 
@@ -205,7 +213,7 @@ def measure_model(
         module: The model, built on the meta device.
         microbatch: One micro-batch of real (CPU) tensors.
         autocast_dtype: The dtype a mixed precision casts to, ``None`` without autocast.
-        optimizer_state: Bytes of optimizer state per parameter name (:func:`optimizer_state_bytes`).
+        optimizer_state: Bytes of optimizer state and correction per parameter name (:func:`optimizer_state_bytes`).
     """
     layers = list(module.pipeline_layers())
     named = {id(p): n for n, p in module.named_parameters()}
@@ -296,6 +304,7 @@ def plan_setting(
         model.autocast,
         scale,
         model.loss_saved_bytes,
+        plan_owners,
     )
     flops = [sum(model.layers[i].flops for i in r) * scale for r in partition]
     again = [sum(model.layers[i].flops for i in r if setting.recomputed[i]) * scale / 3 for r in partition]
@@ -412,16 +421,20 @@ def format_report(report: dict[str, Any]) -> str:
         f"{d['peak_flops'] / 1e12:g} TFLOP/s peak x efficiency {report['efficiency']:g}",
         "Low-precision copies: " + report["low_precision_copies"] + ".",
     ]
-    header = "stage  layers   params      weights  grads    optim    lowp     act/mb   in-flight  acts    recomp  total"
+    header = (
+        "stage  layers   params          weights    grads    optim     corr     lowp   act/mb  in-flight     acts"
+        "   recomp    total"
+    )
     for kind, result in report["schedules"].items():
         lines += ["", f"{kind}: memory per stage, {unit}", header]
         for st in result["stages"]:
+            figures = [st[k] for k in ("weights", "gradients", "optimizer_state", "correction", "low_precision_copies")]
+            after = [st[k] for k in ("activations", "recompute_transient", "total")]
             lines.append(
-                f"{st['stage']:>5}  {st['layers'][0]:>2}-{st['layers'][1] - 1:<4} {st['parameters']:>11,} "
-                f"{_gib(st['weights']):>7}  {_gib(st['gradients']):>7}  {_gib(st['optimizer_state']):>7}  "
-                f"{_gib(st['low_precision_copies']):>7}  {_gib(st['activations_per_microbatch']):>7}  "
-                f"{st['in_flight']:>9}  {_gib(st['activations']):>6}  {_gib(st['recompute_transient']):>6}  "
-                f"{_gib(st['total']):>6}"
+                f"{st['stage']:>5}  {st['layers'][0]:>2}-{st['layers'][1] - 1:<4} {st['parameters']:>13,} "
+                + "".join(f"{_gib(v):>9}" for v in figures)
+                + f"{_gib(st['activations_per_microbatch']):>9}{st['in_flight']:>11}"
+                + "".join(f"{_gib(v):>9}" for v in after)
             )
         verdict = "fits" if result["fits"] else "does NOT fit"
         lines.append(

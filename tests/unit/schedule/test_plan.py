@@ -15,7 +15,7 @@ from lightning_async_pp.schedule.plan import (
 
 
 def layer(name: str, numel: int, saved: int = 100, width: int = 10, input_saved: bool = True) -> LayerFigures:
-    params = {name: ParameterFigures(numel, 4 * numel, 8 * numel, 2 * numel)}
+    params = {name: ParameterFigures(numel, 4 * numel, 8 * numel, 2 * numel, correction_bytes=4 * numel)}
     return LayerFigures(params, saved, width, input_saved, width, False, flops=6.0 * numel)
 
 
@@ -30,12 +30,12 @@ def test_stage_memory_closed_forms_under_2bw_and_1f1b():
             assert st.parameters == numel
             assert st.weights == versions * 4 * numel
             assert st.gradients == 4 * numel  # one replica: no communication buffer
-            assert st.optimizer_state == 8 * numel
+            assert (st.optimizer_state, st.correction) == (8 * numel, 4 * numel)
             assert st.low_precision_copies == versions * 2 * numel
             assert st.in_flight == 2 - s
         # Stage 0: each layer's saved tensors and input (both inputs saved) and the output it sends on.
         assert stages[0].activations_per_microbatch == 2 * 100 + 2 * 10 + 10
-        assert stages[0].total == stages[0].weights + 4 * 3000 + 8 * 3000 + versions * 6000 + 2 * 230
+        assert stages[0].total == stages[0].weights + (4 + 8 + 4) * 3000 + versions * 6000 + 2 * 230
 
 
 def test_replicas_add_the_communication_buffer_and_shard_the_state():
@@ -45,7 +45,17 @@ def test_replicas_add_the_communication_buffer_and_shard_the_state():
     assert plain.gradients == 2 * 4 * 1600  # .grad and the all-reduce's flat buffer
     assert sharded.gradients == 2 * 4 * 1600 + 4 * 1600 // 8  # and the reduce-scatter's output
     assert plain.optimizer_state == 8 * 1600 and sharded.optimizer_state == 8 * 1600 // 8
+    assert plain.correction == 4 * 1600 and sharded.correction == 4 * 1600 // 8
     assert plain.low_precision_copies == 0
+
+
+def test_sharding_counts_the_heaviest_replica_and_the_padded_buffer():
+    layers = [layer("a", 1000), layer("b", 200)]
+    owners = lambda sizes, replicas: {"a": 0, "b": 1}  # noqa: E731  (the runtime's plan_owners would agree)
+    (st,) = stage_memory(layers, [range(2)], "1f1b", 2, 2, True, [False, False], autocast=False, owners=owners)
+    # .grad, the flat buffer of two segments as long as the longest (a's), and the owner's received segment.
+    assert st.gradients == 4 * 1200 + 2 * 4 * 1000 + 4 * 1000
+    assert (st.optimizer_state, st.correction) == (8 * 1000, 4 * 1000)
 
 
 def test_low_precision_copies_follow_the_weight_versions():

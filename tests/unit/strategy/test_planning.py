@@ -35,9 +35,11 @@ class Toy(PipelineModule):
         return torch.optim.AdamW(self.parameters())
 
 
-def toy_figures(dtype):
+def toy_figures(dtype, optimizer=None):
     with MetaLayers():
         model = Toy()
+    if optimizer is not None:
+        model.configure_optimizers = lambda: optimizer(model.named_parameters())
     assert next(model.parameters()).is_meta
     batch = (torch.randn(B, IN), torch.randn(B, OUT))
     return measure_model(model, batch, dtype, optimizer_state_bytes(model, 10))
@@ -60,6 +62,18 @@ def test_linear_layers_measured_as_their_closed_forms():
     # Matmul FLOPs: forward and the weight's gradient; the input's gradient too past the model's input.
     assert (first.flops, second.flops) == (2 * 2 * B * IN * HIDDEN, 3 * 2 * B * HIDDEN * OUT)
     assert all(p.cast_bytes == 0 for layer in figures.layers for p in layer.parameters.values())
+
+
+def test_optimizer_state_is_what_each_optimizer_creates():
+    from lightning_async_pp.optim import DelayCorrected, Muon
+
+    corrected = toy_figures(None, lambda params: DelayCorrected(torch.optim.AdamW(params)))
+    for p in corrected.layers[0].parameters.values():
+        assert (p.optimizer_bytes, p.correction_bytes) == (2 * 4 * p.numel + 4, 4 * p.numel)
+    muon = toy_figures(None, lambda params: DelayCorrected(Muon(params, lr=0.02)))
+    weight, bias = muon.layers[0].parameters["layers.0.weight"], muon.layers[0].parameters["layers.0.bias"]
+    assert (weight.optimizer_bytes, weight.correction_bytes) == (4 * IN * HIDDEN, 4 * IN * HIDDEN)  # momentum
+    assert (bias.optimizer_bytes, bias.correction_bytes) == (2 * 4 * HIDDEN + 4, 4 * HIDDEN)  # AdamW's part
 
 
 def test_autocast_copies_of_the_weights_are_told_apart():
