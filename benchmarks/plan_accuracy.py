@@ -192,6 +192,7 @@ def memory_rows(cells: list[tuple[str, tuple]], timeout: float) -> list[dict[str
 def time_rows(path: Path) -> list[dict[str, Any]]:
     """The plan's step time against the emulated benchmark's measured cells (``P <= 8``)."""
     from lightning_async_pp.schedule.plan import predict_time
+    from lightning_async_pp.schedule.simulate import StageCosts
 
     report = json.loads(path.read_text())
     costs = report["config"]["costs"]
@@ -204,14 +205,22 @@ def time_rows(path: Path) -> list[dict[str, Any]]:
             continue
         P, M = cell["num_stages"], cell["num_microbatches"]
         predicted = predict_time([forward] * P, kind, M, backward_ratio=backward_ratio).step_seconds * 1e3
+        host = cell["host_ms_by_call"]
+        overhead = [
+            StageCosts(f / 1e3, b / 1e3, u / 1e3)
+            for f, b, u in zip(host["forward_per_microbatch"], host["backward_per_microbatch"], host["update_per_step"])
+        ]
+        with_host = predict_time([forward] * P, kind, M, backward_ratio=backward_ratio, overhead=overhead)
         rows.append(
             {
                 "schedule": kind,
                 "P": P,
                 "M": M,
                 "predicted_ms": predicted,
+                "predicted_with_host_ms": with_host.step_seconds * 1e3,
                 "measured_ms": cell["step_ms"],
                 "error": predicted / cell["step_ms"] - 1,
+                "error_with_host": with_host.step_seconds * 1e3 / cell["step_ms"] - 1,
             }
         )
     return rows
@@ -239,15 +248,17 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Step time: the plan's simulator against the emulated-device benchmark's measured cells "
-        "(benchmarks/results/emulated/emulated.json, P <= 8).",
+        "(benchmarks/results/emulated/emulated.json, P <= 8): fed the layers' time alone (what `plan` predicts "
+        "from FLOPs), and fed besides the host time each cell measured inside its forward, backward and update "
+        "calls (`host_ms_by_call`, what `plan --overhead-ms` adds).",
         "",
-        "| schedule | P | M | predicted ms | measured ms | error |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| schedule | P | M | predicted ms | measured ms | error | predicted with host time ms | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["time"]:
         lines.append(
             f"| {r['schedule']} | {r['P']} | {r['M']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
-            f"{r['error']:+.1%} |"
+            f"{r['error']:+.1%} | {r['predicted_with_host_ms']:.1f} | {r['error_with_host']:+.1%} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -260,6 +271,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/plan_accuracy/plan_accuracy.json")
     parser.add_argument("--quick", action="store_true", help="the quick start GPT only, without sharding")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    parser.add_argument("--memory-from", help="an earlier report whose memory rows to keep (no runs)")
     args = parser.parse_args()
     began = time.perf_counter()
     models = ["gpt"] if args.quick else list(MODELS)
@@ -270,7 +282,9 @@ def main() -> None:
         "machine": machine_description(),
         "memory_note": "heap peak per stage above its start, sampled after every forward, backward and update, in "
         "a 4-step CPU run (32-true) of the config with the overrides of its row.",
-        "memory": memory_rows(cells, args.timeout),
+        "memory": json.loads(Path(args.memory_from).read_text())["memory"]
+        if args.memory_from
+        else memory_rows(cells, args.timeout),
         "time": time_rows(ROOT / "benchmarks/results/emulated/emulated.json"),
     }
     report["seconds"] = time.perf_counter() - began

@@ -260,11 +260,14 @@ def plan_main(argv: list[str]) -> None:
     parser.add_argument("--device-memory", type=float, help="GiB of one device (overrides --device's)")
     parser.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, e.g. 989e12")
     parser.add_argument("--efficiency", type=float, default=0.4, help="fraction of the peak reached (default 0.4)")
+    parser.add_argument(
+        "--overhead-ms", type=float, default=0.0, help="host ms per forward and per backward of a micro-batch (0)"
+    )
     parser.add_argument("--reserved", type=float, default=2.0, help="GiB of a device kept for CUDA and NCCL (2)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     own, rest = parser.parse_known_args(argv)
-    if not 0 < own.efficiency <= 1 or own.reserved < 0:
-        parser.error("--efficiency must be in (0, 1] and --reserved at least 0.")
+    if not 0 < own.efficiency <= 1 or own.reserved < 0 or own.overhead_ms < 0:
+        parser.error("--efficiency must be in (0, 1], --reserved and --overhead-ms at least 0.")
     try:
         device = planning.device_figures(own.device, own.device_memory, own.peak_flops)
     except ValueError as error:
@@ -289,6 +292,7 @@ def plan_main(argv: list[str]) -> None:
             device,
             own.efficiency,
             own.reserved * 2**30,
+            own.overhead_ms / 1e3,
         )
     except ValueError as error:
         refuse(str(error))

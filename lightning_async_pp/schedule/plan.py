@@ -291,6 +291,7 @@ def predict_time(
     recompute_seconds: Sequence[float] | None = None,
     backward_ratio: float = 2.0,
     num_steps: int = 8,
+    overhead: Sequence[StageCosts] | None = None,
 ) -> TimePrediction:
     """The steady-state step time and bubble of ``schedule`` from each stage's forward time per micro-batch.
 
@@ -301,9 +302,16 @@ def predict_time(
         recompute_seconds: Per stage, the forward that activation checkpointing repeats in backward.
         backward_ratio: Backward time over forward time (2: the input's and the weights' gradients).
         num_steps: Steps simulated; the first and last quarter are left out as ramp-up and drain.
+        overhead: Per stage, host seconds added to each forward, backward and update (the runtime's own work
+            around the kernels, e.g. measured on a short run).
     """
-    extra = recompute_seconds or [0.0] * len(stage_forward_seconds)
-    costs = [StageCosts(f, backward_ratio * f + r) for f, r in zip(stage_forward_seconds, extra, strict=True)]
+    P = len(stage_forward_seconds)
+    extra = recompute_seconds or [0.0] * P
+    host = overhead or [StageCosts(0.0, 0.0)] * P
+    costs = [
+        StageCosts(f + h.forward, backward_ratio * f + r + h.backward, h.update)
+        for f, r, h in zip(stage_forward_seconds, extra, host, strict=True)
+    ]
     sched = build_schedule(schedule, len(costs), num_microbatches, num_steps=num_steps)
     result = simulate(sched, costs)
     return TimePrediction(

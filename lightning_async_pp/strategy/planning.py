@@ -36,6 +36,7 @@ from lightning_async_pp.runtime.sharding import plan_owners
 from lightning_async_pp.runtime.ties import parameter_slots, retie
 from lightning_async_pp.schedule.partition import balanced_partition, stage_ranges
 from lightning_async_pp.schedule.plan import LayerFigures, ParameterFigures, predict_time, stage_memory
+from lightning_async_pp.schedule.simulate import StageCosts
 from lightning_async_pp.strategy.throughput import PEAK_BF16_FLOPS, meta_layers, peak_flops_by_name, stage_flops
 from lightning_async_pp.strategy.topology import PipelineDims
 
@@ -288,9 +289,10 @@ def _partition(model: ModelFigures, stages: int, split_points: Sequence[int] | N
 
 
 def plan_setting(
-    model: ModelFigures, setting: Setting, memory: float, peak: float, efficiency: float
+    model: ModelFigures, setting: Setting, memory: float, peak: float, efficiency: float, overhead: float = 0.0
 ) -> dict[str, Any]:
-    """Memory per stage and predicted speed of one setting, as a JSON-ready dict."""
+    """Memory per stage and predicted speed of one setting, as a JSON-ready dict; ``overhead`` is the host's
+    seconds per forward and per backward of a micro-batch."""
     partition = _partition(model, setting.stages, setting.split_points)
     scale = setting.batch_size / setting.num_microbatches / model.microbatch_size
     stages = stage_memory(
@@ -310,7 +312,11 @@ def plan_setting(
     again = [sum(model.layers[i].flops for i in r if setting.recomputed[i]) * scale / 3 for r in partition]
     seconds = 1.0 / (peak * efficiency)
     time = predict_time(
-        [f / 3 * seconds for f in flops], setting.schedule, setting.num_microbatches, [a * seconds for a in again]
+        [f / 3 * seconds for f in flops],
+        setting.schedule,
+        setting.num_microbatches,
+        [a * seconds for a in again],
+        overhead=[StageCosts(overhead, overhead)] * len(partition),
     )
     tokens = setting.batch_size * model.tokens_per_sample * setting.replicas
     model_flops = sum(flops) * setting.num_microbatches * setting.replicas
@@ -359,16 +365,19 @@ def plan_report(
     device: tuple[str, float, float],
     efficiency: float,
     reserved: float,
+    overhead: float = 0.0,
 ) -> dict[str, Any]:
     """The whole plan: the setting under both schedules, and which ``(P, D, M)`` fit, as a JSON-ready dict."""
     name, memory, peak = device
     usable = memory - reserved
     schedules = {}
     for kind in ("2bw", "1f1b"):
-        schedules[kind] = plan_setting(model, Setting(**{**vars(setting), "schedule": kind}), usable, peak, efficiency)
+        schedules[kind] = plan_setting(
+            model, Setting(**{**vars(setting), "schedule": kind}), usable, peak, efficiency, overhead
+        )
     grid = []
     for other in candidate_settings(setting, devices, len(model.layers)):
-        result = plan_setting(model, other, usable, peak, efficiency)
+        result = plan_setting(model, other, usable, peak, efficiency, overhead)
         grid.append(
             {
                 "schedule": other.schedule,
@@ -386,6 +395,7 @@ def plan_report(
     return {
         "device": {"name": name, "memory_bytes": memory, "usable_bytes": usable, "peak_flops": peak},
         "efficiency": efficiency,
+        "overhead_seconds": overhead,
         "model": {
             "parameters": sum(p.numel for p in params.values()),
             "layers": model.names,
@@ -422,8 +432,10 @@ def format_report(report: dict[str, Any]) -> str:
         "Low-precision copies: " + report["low_precision_copies"] + ".",
     ]
     header = (
-        "stage  layers   params          weights    grads    optim     corr     lowp   act/mb  in-flight     acts"
-        "   recomp    total"
+        f"{'stage':>5}  {'layers':<7} {'params':>13}"
+        + "".join(f"{h:>9}" for h in ("weights", "grads", "optim", "corr", "lowp", "act/mb"))
+        + f"{'in-flight':>11}"
+        + "".join(f"{h:>9}" for h in ("acts", "recomp", "total"))
     )
     for kind, result in report["schedules"].items():
         lines += ["", f"{kind}: memory per stage, {unit}", header]
@@ -431,7 +443,7 @@ def format_report(report: dict[str, Any]) -> str:
             figures = [st[k] for k in ("weights", "gradients", "optimizer_state", "correction", "low_precision_copies")]
             after = [st[k] for k in ("activations", "recompute_transient", "total")]
             lines.append(
-                f"{st['stage']:>5}  {st['layers'][0]:>2}-{st['layers'][1] - 1:<4} {st['parameters']:>13,} "
+                f"{st['stage']:>5}  {st['layers'][0]:>2}-{st['layers'][1] - 1:<4} {st['parameters']:>13,}"
                 + "".join(f"{_gib(v):>9}" for v in figures)
                 + f"{_gib(st['activations_per_microbatch']):>9}{st['in_flight']:>11}"
                 + "".join(f"{_gib(v):>9}" for v in after)
@@ -484,6 +496,7 @@ def plan_from_config(
     device: tuple[str, float, float],
     efficiency: float,
     reserved: float,
+    overhead: float = 0.0,
 ) -> dict[str, Any]:
     """The plan of a ``fit`` configuration: its model (built on the meta device), data, strategy and devices.
 
@@ -497,6 +510,7 @@ def plan_from_config(
         device: ``(name, bytes, peak FLOP/s)`` of one device (:func:`device_figures`).
         efficiency: The fraction of the peak the layers reach.
         reserved: Bytes of a device not available to the stage (CUDA context, communication buffers).
+        overhead: Host seconds per forward and per backward of a micro-batch, added to the layers' time.
 
     Raises:
         ValueError: A setting the plan cannot follow, with what to change.
@@ -525,4 +539,4 @@ def plan_from_config(
         recomputed=[i in recomputed for i in range(len(layers))],
         split_points=strategy.split_points,
     )
-    return plan_report(figures, setting, devices, device, efficiency, reserved)
+    return plan_report(figures, setting, devices, device, efficiency, reserved, overhead)

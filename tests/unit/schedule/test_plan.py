@@ -12,6 +12,7 @@ from lightning_async_pp.schedule.plan import (
     predict_time,
     stage_memory,
 )
+from lightning_async_pp.schedule.simulate import StageCosts
 
 
 def layer(name: str, numel: int, saved: int = 100, width: int = 10, input_saved: bool = True) -> LayerFigures:
@@ -95,3 +96,6 @@ def test_predicted_time_matches_the_closed_forms(P, M):
     # Recomputation adds one forward to every backward.
     again = predict_time([f] * P, "2bw", M, recompute_seconds=[f] * P)
     assert again.step_seconds == pytest.approx(M * 4 * f, rel=1e-6)
+    # Host time around each forward and backward is paid like the layers' own.
+    host = predict_time([f] * P, "2bw", M, overhead=[StageCosts(f / 2, f / 2)] * P)
+    assert host.step_seconds == pytest.approx(M * 4 * f, rel=1e-6)
