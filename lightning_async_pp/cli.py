@@ -255,6 +255,8 @@ def plan_main(argv: list[str]) -> None:
         prog="python -m lightning_async_pp plan",
         description="Memory per pipeline stage and predicted speed of a fit configuration (same --config and "
         "overrides as fit), read on the meta device: nothing is allocated or launched.",
+        epilog="Every other option is fit's: --config FILE, --trainer.devices N, --trainer.num_nodes N, "
+        "--trainer.strategy.init_args.*, --model.*, --data.* (see 'fit --help').",
     )
     parser.add_argument("--device", default="h100", help=f"one of {', '.join(planning.DEVICES)} (default h100)")
     parser.add_argument("--device-memory", type=float, help="GiB of one device (overrides --device's)")

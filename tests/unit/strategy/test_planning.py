@@ -120,3 +120,18 @@ def test_plan_refuses_an_unknown_device(capsys):
         main(["plan", "--config", "examples/configs/quickstart.yaml", "--device", "tpu-v9"])
     assert exit.value.code == 2
     assert "--device-memory GIB and --peak-flops" in capsys.readouterr().err
+
+
+def test_plan_refuses_microbatches_decided_at_the_first_batch(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(
+            [
+                "plan",
+                "--config",
+                "examples/configs/quickstart.yaml",
+                "--trainer.strategy.init_args.num_microbatches",
+                "auto",
+            ]
+        )
+    assert exit.value.code == 2
+    assert "--trainer.strategy.init_args.num_microbatches N" in capsys.readouterr().err
