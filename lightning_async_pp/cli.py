@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -275,9 +276,16 @@ def plan_main(argv: list[str]) -> None:
     except ValueError as error:
         parser.error(str(error))
     _current_folder_importable()
-    cli = _PlanCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False, args=rest
-    )
+    with warnings.catch_warnings():  # the arguments after `plan` are fit's, given as `args` on purpose
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = _PlanCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            run=False,
+            args=rest,
+        )
     trainer, strategy = cli.config_init["trainer"], cli.config_init["trainer"]["strategy"]
     if strategy == "async_pp":
         strategy = AsyncPipelineStrategy()

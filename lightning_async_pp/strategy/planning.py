@@ -466,11 +466,18 @@ def first_microbatch(datamodule: Any, num_microbatches: int) -> tuple[Any, int]:
     """One micro-batch of the training data (its first sample, repeated) and the batch size of the data.
 
     Raises:
-        ValueError: The dataloader has no fixed batch size, or the batch does not split into the micro-batches.
+        ValueError: The data cannot be read, the dataloader has no fixed batch size, or the batch does not split
+            into the micro-batches.
     """
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    loader = datamodule.train_dataloader()
+    try:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        loader = datamodule.train_dataloader()
+    except OSError as error:
+        raise ValueError(
+            f"plan reads the first training sample for the shapes of a micro-batch, and the data module could not "
+            f"load it: {error}"
+        ) from error
     batch_size = loader.batch_size
     if batch_size is None:
         raise ValueError("plan needs a training dataloader with a fixed batch_size.")
