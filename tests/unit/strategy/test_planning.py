@@ -13,6 +13,9 @@ from lightning_async_pp.cli import main
 from lightning_async_pp.demos import GPT
 from lightning_async_pp.strategy.placement import MetaLayers
 from lightning_async_pp.strategy.planning import measure_model, optimizer_state_bytes
+from tests.fixtures.helpers import ROOT
+
+QUICKSTART = str(ROOT / "examples" / "configs" / "quickstart.yaml")
 
 IN, HIDDEN, OUT, B = 8, 16, 4, 3
 
@@ -92,7 +95,7 @@ def quickstart_plan():
 
     out = io.StringIO()
     with redirect_stdout(out):
-        assert main(["plan", "--config", "examples/configs/quickstart.yaml", "--json", "--device", "a100-80gb"]) == 0
+        assert main(["plan", "--config", QUICKSTART, "--json", "--device", "a100-80gb"]) == 0
     return json.loads(out.getvalue())
 
 
@@ -117,7 +120,7 @@ def test_plan_command_on_the_quickstart_config(quickstart_plan):
 
 def test_plan_refuses_an_unknown_device(capsys):
     with pytest.raises(SystemExit) as exit:
-        main(["plan", "--config", "examples/configs/quickstart.yaml", "--device", "tpu-v9"])
+        main(["plan", "--config", QUICKSTART, "--device", "tpu-v9"])
     assert exit.value.code == 2
     assert "--device-memory GIB and --peak-flops" in capsys.readouterr().err
 
@@ -128,7 +131,7 @@ def test_plan_refuses_microbatches_decided_at_the_first_batch(capsys):
             [
                 "plan",
                 "--config",
-                "examples/configs/quickstart.yaml",
+                QUICKSTART,
                 "--trainer.strategy.init_args.num_microbatches",
                 "auto",
             ]
