@@ -31,11 +31,13 @@ from typing import Any, NoReturn
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_async_pp import AsyncPipelineStrategy  # registers strategy="async_pp" too
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY, ShardedCheckpointIO, consolidate
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.strategy.placement import MetaLayers
+from lightning_async_pp.strategy.topology import check_process_count
 
 _CLASS_PATH_NOT_IMPORTABLE = re.compile(
     r'Parser key "(?P<key>[^"]+)".*?Problem with given class_path \'(?P<path>[^\']+)\':\s*'
@@ -233,7 +235,8 @@ class _PlanCLI(AsyncPipelineCLI):
         self.datamodule = self.config_init["data"]
 
 
-def _job_devices(trainer: Any) -> int:
+def _job_devices(trainer: Any, pipeline_parallel_size: int | None) -> int:
+    """The job's processes, ``devices x num_nodes``, refused unless they hold whole pipelines."""
     devices, nodes = trainer["devices"], trainer["num_nodes"] or 1
     if isinstance(devices, (list, tuple)):
         devices = len(devices)
@@ -241,6 +244,10 @@ def _job_devices(trainer: Any) -> int:
         devices = int(devices)
     if not isinstance(devices, int) or devices < 1:
         refuse(f"plan needs the number of devices per node: give --trainer.devices N (got {devices!r}).")
+    try:
+        check_process_count(devices, nodes, pipeline_parallel_size or devices * nodes)
+    except MisconfigurationException as error:
+        refuse(str(error))
     return devices * nodes
 
 
@@ -296,7 +303,7 @@ def plan_main(argv: list[str]) -> None:
             cli.model,
             cli.datamodule,
             strategy,
-            _job_devices(trainer),
+            _job_devices(trainer, strategy.pipeline_parallel_size),
             str(trainer["precision"] or "32-true"),
             trainer["max_steps"],
             device,

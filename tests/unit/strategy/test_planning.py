@@ -138,3 +138,20 @@ def test_plan_refuses_microbatches_decided_at_the_first_batch(capsys):
         )
     assert exit.value.code == 2
     assert "--trainer.strategy.init_args.num_microbatches N" in capsys.readouterr().err
+
+
+def test_plan_refuses_processes_that_do_not_hold_whole_pipelines(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(
+            [
+                "plan",
+                "--config",
+                QUICKSTART,
+                "--trainer.devices",
+                "3",
+                "--trainer.strategy.init_args.pipeline_parallel_size",
+                "2",
+            ]
+        )
+    assert exit.value.code == 2
+    assert "cannot hold whole pipelines of pipeline_parallel_size=2" in capsys.readouterr().err
