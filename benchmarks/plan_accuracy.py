@@ -18,6 +18,10 @@ Usage::
 
     python benchmarks/plan_accuracy.py --out benchmarks/results/plan_accuracy/plan_accuracy.json
     python benchmarks/plan_accuracy.py --quick ...   # the quick start GPT only
+    python benchmarks/plan_accuracy.py --variants bf16 --out .../plan_accuracy_bf16.json  # GPT, bf16-mixed
+
+The ``bf16`` rows test the plan's count of autocast's low-precision copies of the weights: one per weight
+version held, shared by the micro-batches that read it.
 """
 
 from __future__ import annotations
@@ -38,13 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import heap_in_use, machine_description, save_report  # noqa: E402
 
 MODELS = {"gpt": "examples/configs/quickstart.yaml", "llama": "examples/configs/llama_tiny.yaml"}
-# (name, P, D, shard_optimizer, activation_checkpointing)
+# (name, P, D, shard_optimizer, activation_checkpointing, precision)
 VARIANTS = [
-    ("plain", 2, 1, False, False),
-    ("recompute", 2, 1, False, True),
-    ("sharded_D2", 2, 2, True, False),
-    ("plain_P3", 3, 1, False, False),
+    ("plain", 2, 1, False, False, "32-true"),
+    ("recompute", 2, 1, False, True, "32-true"),
+    ("sharded_D2", 2, 2, True, False, "32-true"),
+    ("plain_P3", 3, 1, False, False, "32-true"),
+    ("bf16", 2, 1, False, False, "bf16-mixed"),
 ]
+DEFAULT_VARIANTS = "plain,recompute,sharded_D2,plain_P3"
 RUN_ARGS = [
     "--trainer.max_steps",
     "4",
@@ -61,10 +67,14 @@ RUN_ARGS = [
 ]
 
 
-def cell_args(model: str, schedule: str, stages: int, replicas: int, shard: bool, recompute: bool) -> list[str]:
+def cell_args(
+    model: str, schedule: str, stages: int, replicas: int, shard: bool, recompute: bool, precision: str
+) -> list[str]:
     """The ``fit`` arguments of one cell (the plan reads the same)."""
     prefix = "--trainer.strategy.init_args."
     return [
+        "--trainer.precision",
+        precision,
         "--config",
         str(ROOT / MODELS[model]),
         "--trainer.devices",
@@ -154,9 +164,9 @@ def predict(args: list[str]) -> list[tuple[float, float]]:
 
 def memory_rows(cells: list[tuple[str, tuple]], timeout: float) -> list[dict[str, Any]]:
     rows = []
-    for model, (name, stages, replicas, shard, recompute) in cells:
+    for model, (name, stages, replicas, shard, recompute, precision) in cells:
         for schedule in ("2bw", "1f1b"):
-            args = cell_args(model, schedule, stages, replicas, shard, recompute)
+            args = cell_args(model, schedule, stages, replicas, shard, recompute, precision)
             began = time.perf_counter()
             predicted = predict(args)
             try:
@@ -271,17 +281,22 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/plan_accuracy/plan_accuracy.json")
     parser.add_argument("--quick", action="store_true", help="the quick start GPT only, without sharding")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    parser.add_argument(
+        "--variants",
+        help=f"comma-separated rows of VARIANTS (default {DEFAULT_VARIANTS}; 'bf16' runs the GPT under bf16-mixed)",
+    )
     parser.add_argument("--memory-from", help="an earlier report whose memory rows to keep (no runs)")
     args = parser.parse_args()
     began = time.perf_counter()
     models = ["gpt"] if args.quick else list(MODELS)
-    variants = VARIANTS[:2] if args.quick else VARIANTS
-    # Every model at P = 2 (plain, recompute, sharded over 2 replicas); P = 3 for the GPT only, for time.
-    cells = [(m, v) for m in models for v in variants if v[1] == 2 or m == "gpt"]
+    chosen = (args.variants or ("plain,recompute" if args.quick else DEFAULT_VARIANTS)).split(",")
+    variants = [v for v in VARIANTS if v[0] in chosen]
+    # Every model at P = 2 (plain, recompute, sharded over 2 replicas); P = 3 and bf16 for the GPT only, for time.
+    cells = [(m, v) for m in models for v in variants if m == "gpt" or v[0] in ("plain", "recompute", "sharded_D2")]
     report = {
         "machine": machine_description(),
         "memory_note": "heap peak per stage above its start, sampled after every forward, backward and update, in "
-        "a 4-step CPU run (32-true) of the config with the overrides of its row.",
+        "a 4-step CPU run of the config with the overrides of its row (32-true unless the row says bf16).",
         "memory": json.loads(Path(args.memory_from).read_text())["memory"]
         if args.memory_from
         else memory_rows(cells, args.timeout),
