@@ -4,33 +4,40 @@
     async-pp fit --config examples/configs/quickstart.yaml --trainer.max_steps 50
     python -m lightning_async_pp consolidate lightning_logs/version_0/checkpoints/last.ckpt model.ckpt
     python -m lightning_async_pp tokenize corpus/ --out data/train.bin --tokenizer my-tokenizer/
+    python -m lightning_async_pp plan --config examples/configs/quickstart.yaml --device h100
 
 Both forms behave alike: a ``class_path`` may name a module in the current folder (not under ``python -P``; the
 folder comes after the installed packages, so a file there cannot replace one), and the exit status is 0 after
 success and non-zero after an error. A ``--ckpt_path`` that is not a checkpoint is refused before anything is
 built. ``consolidate`` writes a sharded checkpoint as one file (and a Hugging Face model, trained through
 ``lightning_async_pp.models.CausalLM``, also as a ``save_pretrained`` folder); ``tokenize`` writes a token file for
-``lightning_async_pp.models.TokenFileDataModule`` from local text.
+``lightning_async_pp.models.TokenFileDataModule`` from local text; ``plan`` prints what each stage of a ``fit``
+configuration would hold and how fast the schedules would run, without starting anything (:func:`plan_main`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import re
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-import lightning_async_pp  # noqa: F401  (registers strategy="async_pp")
+from lightning_async_pp import AsyncPipelineStrategy  # registers strategy="async_pp" too
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY, ShardedCheckpointIO, consolidate
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
+from lightning_async_pp.meta import MetaLayers
+from lightning_async_pp.strategy.topology import check_process_count
 
 _CLASS_PATH_NOT_IMPORTABLE = re.compile(
     r'Parser key "(?P<key>[^"]+)".*?Problem with given class_path \'(?P<path>[^\']+)\':\s*'
@@ -101,8 +108,9 @@ def unreadable_checkpoint_message(path: str, error: Exception) -> str:
 DESCRIPTION = (
     "Asynchronous pipeline-parallel training (lightning_async_pp) through LightningCLI: fit, validate, test and "
     "predict below take a model, data and trainer config. Two more commands: 'consolidate CHECKPOINT_DIR OUT' "
-    "writes a sharded checkpoint as one file, and 'tokenize SOURCE... --out FILE' writes a token file; add "
-    "--help after either for its options."
+    "writes a sharded checkpoint as one file, 'tokenize SOURCE... --out FILE' writes a token file, and 'plan "
+    "--config CONFIG' prints the memory per stage and the predicted speed of a fit configuration without running "
+    "it; add --help after any of them for its options."
 )
 
 
@@ -216,6 +224,104 @@ def consolidate_main(argv: list[str]) -> None:
         print(f"Wrote {pretrained_dir}: transformers save_pretrained folder (AutoModelForCausalLM.from_pretrained)")
 
 
+class _PlanCLI(AsyncPipelineCLI):
+    """Parses and instantiates ``fit``'s configuration with the model's layers on the meta device, no trainer."""
+
+    def instantiate_classes(self) -> None:
+        with MetaLayers():
+            self.config_init = self.parser.instantiate_classes(self.config)
+            self.model = self.config_init["model"]
+            self.model.configure_model()
+        self.datamodule = self.config_init["data"]
+
+
+def _job_devices(trainer: Any, pipeline_parallel_size: int | None) -> int:
+    """The job's processes, ``devices x num_nodes``, refused unless they hold whole pipelines."""
+    devices, nodes = trainer["devices"], trainer["num_nodes"] or 1
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or devices < 1:
+        refuse(f"plan needs the number of devices per node: give --trainer.devices N (got {devices!r}).")
+    try:
+        check_process_count(devices, nodes, pipeline_parallel_size or devices * nodes)
+    except MisconfigurationException as error:
+        refuse(str(error))
+    return devices * nodes
+
+
+def _plan_parser(devices: Iterable[str]) -> argparse.ArgumentParser:
+    """The options of ``plan`` itself; ``devices`` are the names ``--device`` takes."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_async_pp plan",
+        description="Memory per pipeline stage and predicted speed of a fit configuration (same --config and "
+        "overrides as fit), read on the meta device: nothing is allocated or launched.",
+        epilog="Every other option is fit's: --config FILE, --trainer.devices N, --trainer.num_nodes N, "
+        "--trainer.strategy.init_args.*, --model.*, --data.* (see 'fit --help').",
+    )
+    parser.add_argument("--device", default="h100", help=f"one of {', '.join(devices)} (default h100)")
+    parser.add_argument("--device-memory", type=float, help="GiB of one device (overrides --device's)")
+    parser.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, e.g. 989e12")
+    parser.add_argument("--efficiency", type=float, default=0.4, help="fraction of the peak reached (default 0.4)")
+    parser.add_argument(
+        "--overhead-ms", type=float, default=0.0, help="host ms per forward and per backward of a micro-batch (0)"
+    )
+    parser.add_argument("--reserved", type=float, default=2.0, help="GiB of a device kept for CUDA and NCCL (2)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def plan_main(argv: list[str]) -> None:
+    """``python -m lightning_async_pp plan --config CONFIG [fit's overrides] [--device NAME] [--json] ...``.
+
+    Args:
+        argv: The arguments after ``plan``: this command's own options, the rest as for ``fit``.
+    """
+    from lightning_async_pp.strategy import planning
+
+    parser = _plan_parser(planning.DEVICES)
+    own, rest = parser.parse_known_args(argv)
+    if not 0 < own.efficiency <= 1 or own.reserved < 0 or own.overhead_ms < 0:
+        parser.error("--efficiency must be in (0, 1], --reserved and --overhead-ms at least 0.")
+    try:
+        device = planning.device_figures(own.device, own.device_memory, own.peak_flops)
+    except ValueError as error:
+        parser.error(str(error))
+    _current_folder_importable()
+    with warnings.catch_warnings():  # the arguments after `plan` are fit's, given as `args` on purpose
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = _PlanCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            run=False,
+            args=rest,
+        )
+    trainer, strategy = cli.config_init["trainer"], cli.config_init["trainer"]["strategy"]
+    if strategy == "async_pp":
+        strategy = AsyncPipelineStrategy()
+    if not isinstance(strategy, AsyncPipelineStrategy):
+        refuse(f"plan needs trainer.strategy async_pp (AsyncPipelineStrategy), got {strategy!r}.")
+    try:
+        report = planning.plan_from_config(
+            cli.model,
+            cli.datamodule,
+            strategy,
+            _job_devices(trainer, strategy.pipeline_parallel_size),
+            str(trainer["precision"] or "32-true"),
+            trainer["max_steps"],
+            device,
+            own.efficiency,
+            own.reserved * 2**30,
+            own.overhead_ms / 1e3,
+        )
+    except ValueError as error:
+        refuse(str(error))
+    print(json.dumps(report, indent=1) if own.json else planning.format_report(report))
+
+
 def main(args: Sequence[str] | None = None) -> int:
     """Run the command line (``async-pp`` and ``python -m lightning_async_pp``).
 
@@ -231,6 +337,9 @@ def main(args: Sequence[str] | None = None) -> int:
     argv = list(args) if args is not None else sys.argv[1:]
     if argv[:1] == ["consolidate"]:  # not a LightningCLI subcommand
         consolidate_main(argv[1:])
+        return 0
+    if argv[:1] == ["plan"]:  # reads fit's config but runs nothing
+        plan_main(argv[1:])
         return 0
     if argv[:1] == ["tokenize"]:  # not a LightningCLI subcommand either
         from lightning_async_pp.models.token_writer import main as tokenize_main

@@ -55,6 +55,7 @@ __all__ = [
     "count_items",
     "install_throughput_monitor",
     "meta_layers",
+    "peak_flops_by_name",
     "peak_flops_of",
     "stage_flops",
     "throughput_metrics",
@@ -83,6 +84,16 @@ PEAK_BF16_FLOPS: list[tuple[str, str | None, float]] = [
 ]
 
 
+def peak_flops_by_name(name: str) -> float | None:
+    """The :data:`PEAK_BF16_FLOPS` entry for a device named ``name`` (as ``torch.cuda.get_device_name`` spells
+    it), ``None`` when the table has none."""
+    words = set(re.split(r"[^a-z0-9]+", name.lower()))
+    for chip, variant, flops in PEAK_BF16_FLOPS:
+        if chip in words and (variant is None or variant in words):
+            return flops
+    return None
+
+
 def peak_flops_of(device: torch.device, given: float | None = None) -> tuple[float | None, str]:
     """The peak FLOP/s of one ``device`` and where it comes from: ``given``, the table, Lightning's, or none.
 
@@ -96,10 +107,9 @@ def peak_flops_of(device: torch.device, given: float | None = None) -> tuple[flo
     if device.type != "cuda":
         return None, f"none known for {device.type}"
     name = torch.cuda.get_device_name(device)
-    words = set(re.split(r"[^a-z0-9]+", name.lower()))
-    for chip, variant, flops in PEAK_BF16_FLOPS:
-        if chip in words and (variant is None or variant in words):
-            return flops, f"{name}, bf16 dense, data sheet"
+    flops = peak_flops_by_name(name)
+    if flops is not None:
+        return flops, f"{name}, bf16 dense, data sheet"
     flops = get_available_flops(device, torch.bfloat16)
     return (float(flops), f"{name}, bf16, Lightning's table") if flops else (None, f"none known for {name}")
 

@@ -222,6 +222,7 @@ def test_the_checks_can_fail():
 # The private attributes of torch, Lightning and other libraries the package must use, each with its reason.
 # Everything else named `X._name` (X not `self`/`cls`) must be defined in the module that reads it.
 ALLOWED_PRIVATE = {
+    "_to_copy": "the aten op autocast casts a weight with, which plan counts apart from activations",
     "_adjust_lr": "torch.optim.Muon's learning-rate scale by matrix shape, applied by the batched step too",
     "_foreach_": "torch's fused multi-tensor ops (torch._foreach_*), which have no public equivalent",
     "_Unpickler": "pickle's Python unpickler, the one whose find_class a safe loader can override",
