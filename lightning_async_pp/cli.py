@@ -107,7 +107,7 @@ def unreadable_checkpoint_message(path: str, error: Exception) -> str:
 
 DESCRIPTION = (
     "Asynchronous pipeline-parallel training (lightning_async_pp) through LightningCLI: fit, validate, test and "
-    "predict below take a model, data and trainer config. Two more commands: 'consolidate CHECKPOINT_DIR OUT' "
+    "predict below take a model, data and trainer config. Three more commands: 'consolidate CHECKPOINT_DIR OUT' "
     "writes a sharded checkpoint as one file, 'tokenize SOURCE... --out FILE' writes a token file, and 'plan "
     "--config CONFIG' prints the memory per stage and the predicted speed of a fit configuration without running "
     "it; add --help after any of them for its options."
