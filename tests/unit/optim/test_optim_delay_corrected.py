@@ -18,17 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_async_pp.optim import DelayCorrected, Muon
 
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    # The tensors are tiny: a second intra-op thread only adds synchronization, which stalls when the
-    # machine is busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 LR = 0.1
 
 
