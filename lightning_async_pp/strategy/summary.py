@@ -213,7 +213,8 @@ class PipelineSummary(Callback):
         if not self.max_depth:
             return
         strategy = trainer.strategy
-        placement = getattr(strategy, "_placement", None)
+        stage = getattr(strategy, "pipeline_stage", None)  # an AsyncPipelineStrategy's placed stage
+        placement = stage.placement if stage is not None else None
         if placement is not None and strategy.multi_process:
             counts = stage_counts(strategy.stage, placement.stage_layers, placement.modules)
             ties = placement.ties

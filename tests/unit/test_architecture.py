@@ -222,6 +222,8 @@ def test_the_checks_can_fail():
 # The private attributes of torch, Lightning and other libraries the package must use, each with its reason.
 # Everything else named `X._name` (X not `self`/`cls`) must be defined in the module that reads it.
 ALLOWED_PRIVATE = {
+    "_orig_mod": "torch.compile's OptimizedModule: the module it compiled",
+    "_fields": "a named tuple's field names, the documented way to tell one from a tuple",
     "_to_copy": "the aten op autocast casts a weight with, which plan counts apart from activations",
     "_adjust_lr": "torch.optim.Muon's learning-rate scale by matrix shape, applied by the batched step too",
     "_foreach_": "torch's fused multi-tensor ops (torch._foreach_*), which have no public equivalent",
@@ -290,19 +292,44 @@ def private_reaches(trees: dict[str, ast.Module]) -> list[str]:
     for module, tree in trees.items():
         own = _own_names(tree)
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            reached = _reached_attribute(node)
+            if reached is None or not reached.startswith("_") or reached.startswith("__"):
                 continue
-            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                continue
-            if node.attr in own or any(node.attr.startswith(allowed) for allowed in ALLOWED_PRIVATE):
+            if reached in own or any(reached.startswith(allowed) for allowed in ALLOWED_PRIVATE):
                 continue
             out.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     return sorted(out)
 
 
+def _reached_attribute(node: ast.AST) -> str | None:
+    """The attribute ``node`` reads or writes on another object: ``X.name``, or the literal name of
+    ``getattr``/``hasattr``/``setattr(X, "name", ...)``; ``None`` for anything else and for ``self``/``cls``."""
+    if isinstance(node, ast.Attribute):
+        target, name = node.value, node.attr
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr", "setattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        target, name = node.args[0], node.args[1].value
+    else:
+        return None
+    if isinstance(target, ast.Name) and target.id in ("self", "cls"):
+        return None
+    return name
+
+
 def test_no_module_reaches_into_another_objects_private_attributes():
     offenders = private_reaches(TREES)
     assert not offenders, offenders
+
+
+def test_a_reach_through_getattr_is_found():
+    planted = ast.parse('placement = getattr(strategy, "_placement", None)\nstage = strategy.pipeline_stage\n')
+    assert private_reaches({"m": planted}) == ["m:1 getattr(strategy, '_placement', None)"]
 
 
 def package_object_names() -> set[str]:

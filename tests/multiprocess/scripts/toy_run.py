@@ -177,9 +177,11 @@ class Recorder(Callback):
         self.tied: list[tuple[int, dict[str, Tensor]]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        runtime = getattr(trainer.strategy, "_runtime", None)
-        if runtime is None:
+        stage = trainer.strategy.pipeline_stage
+        if stage is None:  # one process: no runtime, the one-device path
             return
+        runtime = stage.runtime
+        assert runtime is not None and runtime.updates is not None, "the training runtime is built at setup"
         names = self.names
         apply = runtime.updates.apply
 
