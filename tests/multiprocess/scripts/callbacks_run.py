@@ -210,5 +210,9 @@ if __name__ == "__main__":
         fit(args.devices, args.out, args.pipeline_size)
     elif args.mode == "ddp":
         train_classifier(args.devices, args.out, strategy="ddp")
+        # Lightning's DDP leaves the gloo group to the interpreter's exit, where its threads can be torn down
+        # while running (abort: "terminate called without an active exception"): close it first.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     else:
         evaluate(args.devices, args.out)
