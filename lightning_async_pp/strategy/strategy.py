@@ -9,9 +9,9 @@ placed layers, :class:`~lightning_async_pp.runtime.stage.StageRuntime` and stati
 :class:`~lightning_async_pp.strategy.failure.FailureGuard`.
 
 On one device the strategy trains with exactly the same update rules (gradient on the previous weights,
-optimizer step on the current ones, optimizer state never rewound), through a path that shares no
-code with the multi-process runtime: it is the reference a pipeline must match, and a way to study
-staleness without a cluster.
+optimizer step on the current ones, optimizer state never rewound), through a path that shares with the
+multi-process runtime only the model's computation and the batch's cut (no schedule, weight versions or
+transfers): it is the reference a pipeline must match, and a way to study staleness without a cluster.
 
 With a pipeline-ready module (see :mod:`lightning_async_pp.runtime.contract`) the strategy computes the
 loss itself, micro-batch by micro-batch, through ``pipeline_inputs``, ``pipeline_layers`` and
