@@ -100,10 +100,14 @@ class PipelineStage:
         self.stats = StageStatistics.for_pipeline(dims, rank, groups.stats)
         self.runtime: StageRuntime | None = runtime
         """The training runtime once built, else the evaluation one, if any."""
-        self.trains = runtime is not None and runtime.optimizer is not None
         self._training: tuple[Trainer, Optimizer] | None = None
         self._restored: tuple[int, dict[str, Tensor] | None] | None = None  # read before the runtime is built
         self._no_loss: Tensor | None = None
+
+    @property
+    def trains(self) -> bool:
+        """Whether :attr:`runtime` is a training runtime (one with an optimizer)."""
+        return self.runtime is not None and self.runtime.optimizer is not None
 
     # --- building the runtime ----------------------------------------------------------------------
 
@@ -120,7 +124,7 @@ class PipelineStage:
         if self._shards_optimizer:
             check_shardable(optimizer)
         self._training = (trainer, optimizer)
-        self.runtime, self.trains, self._restored = None, False, None
+        self.runtime, self._restored = None, None
         if num_microbatches is not None:
             self._build_training_runtime(num_microbatches)
         install_signal_stop(trainer, self.groups.metrics)  # the request rides on the metrics relay
@@ -174,7 +178,7 @@ class PipelineStage:
         if previous is not None:
             runtime_names = self._runtime_names(runtime, trainer.lightning_module)
             runtime.load_previous_weights({runtime_names[n]: t for n, t in previous.items()})
-        self.runtime, self.trains, self._restored = runtime, True, None
+        self.runtime, self._restored = runtime, None
 
     @staticmethod
     def _runtime_names(runtime: StageRuntime, module: LightningModule) -> dict[str, str]:
