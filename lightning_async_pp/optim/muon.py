@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_async_pp.optim.muon_parts import AdamWPart, MatrixMuon
+from lightning_async_pp.optim.muon_parts import AdamWPart, ExpertStack, MatrixMuon
 from lightning_async_pp.optim.newton_schulz import (  # the precision switch is importable from here too
     check_ns_batch_bytes,
     check_ns_dtype,
@@ -19,7 +19,13 @@ from lightning_async_pp.optim.newton_schulz import (  # the precision switch is 
     use_float32_newton_schulz,
 )
 
-__all__ = ["DEFAULT_ADAMW_PATTERNS", "Muon", "newton_schulz_dtype", "use_float32_newton_schulz"]
+__all__ = [
+    "DEFAULT_ADAMW_PATTERNS",
+    "DEFAULT_EXPERT_PATTERNS",
+    "Muon",
+    "newton_schulz_dtype",
+    "use_float32_newton_schulz",
+]
 
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
     "*embed*",
@@ -34,6 +40,24 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 """Names (``fnmatch`` patterns on the full dotted parameter name) that go to AdamW although they are 2-D:
 token/position embeddings and output heads in the usual naming schemes (nanoGPT, Hugging Face, timm, this
 project's demo GPT)."""
+
+
+DEFAULT_EXPERT_PATTERNS: tuple[str, ...] = ("*experts",)
+"""Names (``fnmatch`` patterns on the dotted name of the module that holds a parameter) of the modules that hold
+a mixture-of-experts layer's weights stacked, one slice per expert: a module named ``experts``, as every
+mixture-of-experts family of Hugging Face ``transformers`` 5 stores them (``mlp.experts.gate_up_proj``)."""
+
+FUSED_GATE_UP = "gate_up_proj"
+"""The name (last component) of a stack that holds each expert's gate and up projections fused, as Hugging Face
+names it; Muon orthogonalizes the two halves separately."""
+
+
+def _module_name(name: str | None) -> str | None:
+    return None if name is None else name.rpartition(".")[0]
+
+
+def _parent(module_name: str) -> str:
+    return module_name.rpartition(".")[0]
 
 
 def _module_class(entry: str | type) -> type:
@@ -186,18 +210,26 @@ class Muon(Optimizer):
         adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS,
         adamw_modules: Sequence[str | type] = (),
         muon_kernels: bool = True,
+        expert_patterns: Sequence[str] = DEFAULT_EXPERT_PATTERNS,
+        muon_routers: bool = False,
         ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto",
         batched: bool = True,
         ns_batch_bytes: int | None = None,
     ) -> None:
         check_ns_batch_bytes(ns_batch_bytes)
-        if isinstance(adamw_patterns, str):
-            raise TypeError(f"`adamw_patterns` must be a sequence of patterns, got the string {adamw_patterns!r}.")
+        for option, value in (("adamw_patterns", adamw_patterns), ("expert_patterns", expert_patterns)):
+            if isinstance(value, str):
+                raise TypeError(f"`{option}` must be a sequence of patterns, got the string {value!r}.")
         if isinstance(adamw_modules, (str, type)):
             adamw_modules = [adamw_modules]
         self.adamw_patterns = tuple(adamw_patterns)
         self.adamw_modules = tuple(_module_class(entry) for entry in adamw_modules)
         self.muon_kernels = bool(muon_kernels)
+        self.expert_patterns = tuple(expert_patterns)
+        self.muon_routers = bool(muon_routers)
+        # Routers and experts' vectors (the parts of a mixture-of-experts layer that are not expert matrices),
+        # for the routing line; the Muon part keeps the stacks of expert matrices.
+        self._roles: dict[Tensor, str] = {}
         # Which module holds each parameter, for `adamw_modules`; only known when given the module.
         params, self._holder = _holders(params, by_module=bool(self.adamw_modules))
         self._muon = _empty_optimizer(
@@ -254,9 +286,11 @@ class Muon(Optimizer):
         options = {key: value for key, value in param_group.items() if key != "params"}
 
         use_muon = options.pop("use_muon", None)
+        roles = self._moe_roles(params)
         if use_muon is None:
-            muon_params = [p for p in params if self._routes_to_muon(p)]
-            adamw_params = [p for p in params if not self._routes_to_muon(p)]
+            to_muon = [self._routes_to_muon(p, roles.get(i)) for i, p in enumerate(params)]
+            muon_params = [p for p, muon in zip(params, to_muon) if muon]
+            adamw_params = [p for p, muon in zip(params, to_muon) if not muon]
         elif use_muon:
             for index, param in enumerate(params):
                 name, tensor = param if isinstance(param, tuple) else (None, param)
@@ -270,6 +304,14 @@ class Muon(Optimizer):
             muon_params, adamw_params = params, []
         else:
             muon_params, adamw_params = [], params
+        muon_ids = {id(p[1] if isinstance(p, tuple) else p) for p in muon_params}
+        for index, role in roles.items():
+            tensor = params[index][1] if isinstance(params[index], tuple) else params[index]
+            if isinstance(role, ExpertStack):
+                if id(tensor) in muon_ids:
+                    self._muon.expert_stacks[tensor] = role
+            else:
+                self._roles[tensor] = role
 
         parts = [(True, muon_params, self._muon), (False, adamw_params, self._adamw)]
         # A group given without parameters stays a (empty) group, so that group counts match the user's view.
@@ -283,16 +325,75 @@ class Muon(Optimizer):
             part.add_param_group(group)
             self.param_groups.append(group)
 
-    def _routes_to_muon(self, param: Tensor | tuple[str, Tensor]) -> bool:
+    def _routes_to_muon(self, param: Tensor | tuple[str, Tensor], role: ExpertStack | str | None) -> bool:
         name, tensor = param if isinstance(param, tuple) else (None, param)
-        if tensor.ndim < 2:
+        if tensor.ndim < 2 or role == "expert vectors" or (role == "router" and not self.muon_routers):
             return False
-        if tensor.ndim > 2 and (not self.muon_kernels or tensor.shape[0] == 1):
+        is_kernel = tensor.ndim > 2 and not isinstance(role, ExpertStack)
+        if is_kernel and (not self.muon_kernels or tensor.shape[0] == 1):
             return False
         if name is not None and any(fnmatchcase(name, pattern) for pattern in self.adamw_patterns):
             return False
         holder = self._holder.get(tensor)
         return not (holder is not None and isinstance(holder, self.adamw_modules))
+
+    def _moe_roles(self, params: list[Any]) -> dict[int, ExpertStack | str]:
+        """The parameters of ``params`` (by index) that belong to a mixture-of-experts layer: stacks of expert
+        matrices (with how each is cut), ``"expert vectors"`` (2-D parameters of an experts module, one row per
+        expert: biases) and ``"router"`` (see the class docstring)."""
+        named = [p if isinstance(p, tuple) else (None, p) for p in params]
+        roles: dict[int, ExpertStack | str] = {}
+        experts_beside: dict[str, int] = {}  # parent module of an experts module -> its number of experts
+        stacking_holders = {id(self._holder.get(t)) for _, t in named if t.ndim == 3 and self._holds_experts(None, t)}
+        for index, (name, tensor) in enumerate(named):
+            module = _module_name(name)
+            holder = self._holder.get(tensor)
+            if tensor.ndim == 3 and self._holds_experts(module, tensor):
+                roles[index] = self._cut(name, tensor, holder, named)
+                if module is not None:
+                    experts_beside[_parent(module)] = tensor.shape[0]
+            elif tensor.ndim == 2 and (
+                (module is not None and self._matches_experts(module))
+                or (self._holds_experts(None, tensor) and id(holder) in stacking_holders)
+            ):
+                roles[index] = "expert vectors"
+        for index, (name, tensor) in enumerate(named):
+            if index in roles or tensor.ndim != 2:
+                continue
+            module = _module_name(name)
+            beside = module is not None and experts_beside.get(_parent(module)) == tensor.shape[0]
+            if beside or self._holds_experts(None, tensor):
+                roles[index] = "router"
+        return roles
+
+    def _matches_experts(self, module: str) -> bool:
+        return any(fnmatchcase(module, pattern) for pattern in self.expert_patterns)
+
+    def _holds_experts(self, module: str | None, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is held by an experts module: by its module's name, or by the module's
+        ``num_experts`` (equal to the tensor's first dim) when the module is known."""
+        if module is not None and self._matches_experts(module):
+            return True
+        holder = self._holder.get(tensor)
+        experts = getattr(holder, "num_experts", None)
+        return isinstance(experts, int) and not isinstance(experts, bool) and experts == tensor.shape[0]
+
+    @staticmethod
+    def _cut(name: str | None, stack: Tensor, holder: nn.Module | None, named: list[tuple[Any, Tensor]]) -> ExpertStack:
+        """How the stack of expert matrices ``stack`` is cut: a fused gate and up projection into its two halves
+        where the layout is known, anything else into one matrix per expert."""
+        if name is None or name.rpartition(".")[2] != FUSED_GATE_UP:
+            return ExpertStack()
+        if holder is not None and hasattr(holder, "is_transposed"):  # transformers' experts say their layout
+            interleaved = not getattr(holder, "is_concatenated", True)
+            return ExpertStack(split=True, axis=1 if holder.is_transposed else 0, interleaved=interleaved)
+        # Otherwise transformers' default layout, [gate; up] rows of (2I, H) matrices, when the down projection
+        # beside it has the shape that layout gives it, (H, I).
+        down = dict(named).get(f"{_module_name(name)}.down_proj")
+        experts, rows, cols = stack.shape
+        if down is not None and tuple(down.shape) == (experts, cols, rows // 2) and rows % 2 == 0:
+            return ExpertStack(split=True)
+        return ExpertStack()
 
     def routing(self) -> dict[str, Any]:
         """Where the parameters went: per part the number of tensors and of elements, the number of kernels
@@ -300,14 +401,23 @@ class Muon(Optimizer):
         counting over all of this optimizer's parameters), ``ns_dtype``: the precision the next step's
         Newton-Schulz runs in (``None`` when the Muon part is empty), and ``ns_groups`` and ``ns_batches``: the
         groups of matrices it orthogonalizes together and the batches (chunks of at most ``ns_batch_bytes``)
-        they take, both ``None`` with ``batched=False``."""
+        they take, both ``None`` with ``batched=False``.
+
+        Mixture-of-experts layers: ``muon_expert_stacks`` (stacks of expert matrices on Muon, counted in
+        ``muon_tensors`` too), ``muon_expert_matrices`` (the matrices they are orthogonalized as), ``experts``
+        (their numbers of experts, sorted), and ``routers``: ``{"adamw": names, "muon": names}`` of the routers'
+        weights, which are not listed in ``adamw_matrices``; neither are the experts' vectors (biases)."""
         out: dict[str, Any] = {
             "muon_tensors": 0,
             "muon_numel": 0,
             "muon_kernels": 0,
+            "muon_expert_stacks": 0,
+            "muon_expert_matrices": 0,
+            "experts": [],
             "adamw_tensors": 0,
             "adamw_numel": 0,
             "adamw_matrices": [],
+            "routers": {"adamw": [], "muon": []},
             "ns_dtype": self._muon.resolved_ns_dtype(),
             "ns_groups": None,
             "ns_batches": None,
@@ -315,18 +425,29 @@ class Muon(Optimizer):
         if self._muon.batched:
             batches = self._muon.ns_batches()
             out["ns_groups"], out["ns_batches"] = len(batches), sum(chunks for _, _, chunks in batches)
+        experts: set[int] = set()
         index = 0
         for group in self.param_groups:
             names = group.get("param_names", [None] * len(group["params"]))
             part = "muon" if group["use_muon"] else "adamw"
             for name, tensor in zip(names, group["params"]):
+                label = name if name is not None else f"#{index}"
                 out[f"{part}_tensors"] += 1
                 out[f"{part}_numel"] += tensor.numel()
-                if tensor.ndim > 2 and group["use_muon"]:
+                stack = self._muon.expert_stacks.get(tensor) if group["use_muon"] else None
+                role = self._roles.get(tensor)
+                if stack is not None:
+                    out["muon_expert_stacks"] += 1
+                    out["muon_expert_matrices"] += len(stack.shapes(tensor))
+                    experts.add(tensor.shape[0])
+                elif role == "router":
+                    out["routers"][part].append(label)
+                elif tensor.ndim > 2 and group["use_muon"]:
                     out["muon_kernels"] += 1
-                if tensor.ndim >= 2 and not group["use_muon"]:
-                    out["adamw_matrices"].append(name if name is not None else f"#{index}")
+                elif tensor.ndim >= 2 and not group["use_muon"] and role is None:
+                    out["adamw_matrices"].append(label)
                 index += 1
+        out["experts"] = sorted(experts)
         return out
 
     def describe_routing(self) -> str:
@@ -335,10 +456,21 @@ class Muon(Optimizer):
         Example: ``Muon 4 tensors (12,288 parameters, 2 conv kernels as matrices; Newton-Schulz in float32,
         batched in 2 groups), AdamW 6 tensors (1,034 parameters); matrices on AdamW: head.weight``. With more
         batches than groups (``ns_batch_bytes``): ``batched in 3 groups, 5 batches``; with ``batched=False``:
-        ``matrix by matrix``.
+        ``matrix by matrix``. With mixture-of-experts layers, the stacks of expert matrices and the routers:
+        ``Muon 8 tensors (... parameters, 4 expert stacks as 48 matrices (8 experts); ...), AdamW ...; routers
+        on AdamW: model.layers.0.mlp.gate.weight, model.layers.1.mlp.gate.weight; matrices on AdamW: ...``.
         """
         r = self.routing()
-        kernels = f", {r['muon_kernels']} conv kernels as matrices" if r["muon_kernels"] else ""
+        extras = []
+        if r["muon_expert_stacks"]:
+            stacks = r["muon_expert_stacks"]
+            counts = " or ".join(map(str, r["experts"]))
+            extras.append(
+                f"{stacks} expert stack{'s' * (stacks != 1)} as {r['muon_expert_matrices']} matrices ({counts} experts)"
+            )
+        if r["muon_kernels"]:
+            extras.append(f"{r['muon_kernels']} conv kernels as matrices")
+        details = "".join(f", {extra}" for extra in extras)
         precision = ""
         if r["ns_dtype"]:
             if r["ns_groups"] is None:
@@ -348,10 +480,15 @@ class Muon(Optimizer):
                 if r["ns_batches"] != r["ns_groups"]:
                     how += f", {r['ns_batches']} batches"
             precision = f"; Newton-Schulz in {r['ns_dtype']}, {how}"
+        routers = "".join(
+            f"; routers on {part}: {', '.join(names)}"
+            for part, names in (("AdamW", r["routers"]["adamw"]), ("Muon", r["routers"]["muon"]))
+            if names
+        )
         matrices = ", ".join(r["adamw_matrices"]) or "none"
         return (
-            f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{kernels}{precision}), AdamW"
-            f" {r['adamw_tensors']} tensors ({r['adamw_numel']:,} parameters); matrices on AdamW: {matrices}"
+            f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{details}{precision}), AdamW"
+            f" {r['adamw_tensors']} tensors ({r['adamw_numel']:,} parameters){routers}; matrices on AdamW: {matrices}"
         )
 
     def _check_disjoint_and_naming(self, group: dict[str, Any]) -> None:
@@ -378,6 +515,10 @@ class Muon(Optimizer):
         self._adamw.param_groups = [group for group in self.param_groups if not group["use_muon"]]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # Pickled before mixture-of-experts routing existed.
+        state.setdefault("expert_patterns", DEFAULT_EXPERT_PATTERNS)
+        state.setdefault("muon_routers", False)
+        state.setdefault("_roles", {})
         super().__setstate__(state)
         if "_muon" in self.__dict__:
             self._share_with_parts()
@@ -388,6 +529,9 @@ class Muon(Optimizer):
             "adamw_patterns": self.adamw_patterns,
             "adamw_modules": self.adamw_modules,
             "muon_kernels": self.muon_kernels,
+            "expert_patterns": self.expert_patterns,
+            "muon_routers": self.muon_routers,
+            "_roles": self._roles,
             "_holder": {},
             "_muon": self._muon,
             "_adamw": self._adamw,

@@ -26,7 +26,7 @@ from lightning_async_pp.optim.newton_schulz import (
     torch_newton_schulz,
 )
 
-__all__ = ["AdamWPart", "MatrixMuon"]
+__all__ = ["AdamWPart", "ExpertStack", "MatrixMuon"]
 
 
 def _as_matrix(tensor: Tensor) -> Tensor:
@@ -34,11 +34,51 @@ def _as_matrix(tensor: Tensor) -> Tensor:
     return tensor if tensor.ndim == 2 else tensor.view(tensor.shape[0], -1)
 
 
+@dataclass(frozen=True)
+class ExpertStack:
+    """How a stack of expert matrices ``(experts, rows, cols)`` is cut into the matrices Muon orthogonalizes:
+    each expert's matrix whole, or, for a fused gate and up projection, its two halves along ``axis`` (0: rows,
+    1: columns), either the two contiguous halves (``[gate; up]``) or the even and odd rows or columns
+    (``interleaved``, ``[gate0, up0, gate1, up1, ...]``)."""
+
+    split: bool = False
+    axis: int = 0
+    interleaved: bool = False
+
+    def matrices(self, stack: Tensor) -> list[Tensor]:
+        """Views of ``stack``'s matrices, expert by expert (gate before up)."""
+        out: list[Tensor] = []
+        for matrix in stack.unbind(0):
+            if not self.split:
+                out.append(matrix)
+            elif self.interleaved:
+                out += [matrix[::2], matrix[1::2]] if self.axis == 0 else [matrix[:, ::2], matrix[:, 1::2]]
+            else:
+                out += matrix.chunk(2, dim=self.axis)
+        return out
+
+    def shapes(self, stack: Tensor) -> list[torch.Size]:
+        """The shapes of :meth:`matrices`, without making views."""
+        experts, rows, cols = stack.shape
+        if self.split:
+            rows, cols = (rows // 2, cols) if self.axis == 0 else (rows, cols // 2)
+        return [torch.Size((rows, cols))] * (experts * (2 if self.split else 1))
+
+
 class MatrixMuon(torch.optim.Muon):
-    """:class:`torch.optim.Muon`, whose step also takes kernels: each one is updated as its matrix
-    ``(shape[0], -1)``, a view of the parameter, its gradient and its momentum buffer, as Muon's reference
-    implementation does for convolution filters. The learning-rate adjustment then sees the matrix shape.
+    """:class:`torch.optim.Muon`, whose step also takes kernels and stacks of expert matrices: a kernel is updated
+    as its matrix ``(shape[0], -1)``, a view of the parameter, its gradient and its momentum buffer, as Muon's
+    reference implementation does for convolution filters; a stack in :attr:`expert_stacks` as the matrices its
+    :class:`ExpertStack` cuts it into, views likewise. The learning-rate adjustment then sees the matrix shape.
     2-D parameters go through torch's code unchanged."""
+
+    expert_stacks: dict[Tensor, ExpertStack]
+    """The parameters that are stacks of expert matrices, and how each is cut (the others are matrices or
+    kernels). Kept here rather than in the parameter groups, whose dicts a state dict replaces."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.expert_stacks = {}
+        super().__init__(*args, **kwargs)
 
     def _init_group(
         self,
@@ -63,12 +103,17 @@ class MatrixMuon(torch.optim.Muon):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif not state["momentum_buffer"].is_contiguous():
                 state["momentum_buffer"] = state["momentum_buffer"].contiguous()
-            if p.is_contiguous():
-                params_with_grad.append(_as_matrix(p))
-            else:  # e.g. channels_last: update a contiguous copy, written back after the step
+            flat = p
+            if not p.is_contiguous():  # e.g. channels_last: update a contiguous copy, written back after the step
                 flat = p.contiguous()
                 self._write_back.append((p, flat))
-                params_with_grad.append(_as_matrix(flat))
+            stack = self.expert_stacks.get(p)
+            if stack is not None:
+                params_with_grad += stack.matrices(flat)
+                grads += stack.matrices(p.grad)
+                muon_momentum_bufs += stack.matrices(state["momentum_buffer"])
+                continue
+            params_with_grad.append(_as_matrix(flat))
             grads.append(p.grad.reshape(p.shape[0], -1))
             muon_momentum_bufs.append(_as_matrix(state["momentum_buffer"]))
         return False
@@ -84,7 +129,12 @@ class MatrixMuon(torch.optim.Muon):
             "ns_dtype": self.ns_dtype,
             "batched": self.batched,
             "ns_batch_bytes": self.ns_batch_bytes,
+            "expert_stacks": self.expert_stacks,
         }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("expert_stacks", {})  # pickled before stacks of experts existed
+        super().__setstate__(state)
 
     def resolved_ns_dtype(self) -> str | None:
         """The precision of this step's Newton-Schulz products, ``None`` without a parameter to update."""
@@ -105,9 +155,11 @@ class MatrixMuon(torch.optim.Muon):
         sizes: dict[tuple, int] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                matrix = p.view(p.shape[0], -1) if p.ndim > 2 else p
-                key = _batch_key(matrix, p.dtype, group)
-                sizes[key] = sizes.get(key, 0) + 1
+                stack = self.expert_stacks.get(p)
+                shapes = stack.shapes(p) if stack is not None else [_as_matrix(p).shape]
+                for shape in shapes:
+                    key = _batch_key(shape, p.device, p.dtype, p.dtype, group)
+                    sizes[key] = sizes.get(key, 0) + 1
         return [(key[0], n, len(_even_chunks(n, self._per_chunk(key, ns_dtype)))) for key, n in sizes.items()]
 
     def _per_chunk(self, key: tuple, ns_dtype: str) -> int:
@@ -158,7 +210,8 @@ class MatrixMuon(torch.optim.Muon):
             for param, grad, buf in zip(params, grads, bufs):
                 alpha = -_torch_muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape)
                 matrix = _Matrix(param, grad, buf, alpha, tall=param.shape[0] > param.shape[1])
-                batches.setdefault(_batch_key(param, grad.dtype, group), []).append(matrix)
+                key = _batch_key(param.shape, param.device, param.dtype, grad.dtype, group)
+                batches.setdefault(key, []).append(matrix)
         for key, matrices in batches.items():
             (wide_shape, _, _, _, momentum, nesterov, coefficients, ns_steps, eps) = key
             for chunk in _even_chunks(len(matrices), self._per_chunk(key, ns_dtype)):
@@ -179,14 +232,16 @@ class _Matrix:
     tall: bool
 
 
-def _batch_key(matrix: Tensor, grad_dtype: torch.dtype, group: MutableMapping) -> tuple:
+def _batch_key(
+    shape: torch.Size, device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, group: MutableMapping
+) -> tuple:
     """What matrices must share to be orthogonalized in one stack: the shape with rows <= cols (a tall matrix
     is iterated transposed, so it joins its transpose), device, dtypes and the group's iteration settings."""
-    rows, cols = matrix.shape
+    rows, cols = shape
     return (
         (min(rows, cols), max(rows, cols)),
-        matrix.device,
-        matrix.dtype,
+        device,
+        dtype,
         grad_dtype,
         group["momentum"],
         group["nesterov"],
