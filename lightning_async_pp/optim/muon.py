@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, Literal
@@ -11,7 +10,19 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_async_pp.optim.muon_parts import AdamWPart, ExpertStack, MatrixMuon
+from lightning_async_pp.optim.muon_parts import AdamWPart, MatrixMuon
+from lightning_async_pp.optim.muon_routing import (
+    DEFAULT_ADAMW_PATTERNS,
+    DEFAULT_EXPERT_PATTERNS,
+    EXPERT_VECTORS,
+    ROUTER,
+    ExpertStack,
+    describe_experts,
+    expert_roles,
+    holders,
+    module_classes,
+    patterns,
+)
 from lightning_async_pp.optim.newton_schulz import (  # the precision switch is importable from here too
     check_ns_batch_bytes,
     check_ns_dtype,
@@ -27,55 +38,6 @@ __all__ = [
     "use_float32_newton_schulz",
 ]
 
-DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
-    "*embed*",
-    "*wte*",
-    "*wpe*",
-    "*tok.*",
-    "*pos.*",
-    "*lm_head*",
-    "head.*",
-    "*.head.*",
-)
-"""Names (``fnmatch`` patterns on the full dotted parameter name) that go to AdamW although they are 2-D:
-token/position embeddings and output heads in the usual naming schemes (nanoGPT, Hugging Face, timm, this
-project's demo GPT)."""
-
-
-DEFAULT_EXPERT_PATTERNS: tuple[str, ...] = ("*experts",)
-"""Names (``fnmatch`` patterns on the dotted name of the module that holds a parameter) of the modules that hold
-a mixture-of-experts layer's weights stacked, one slice per expert: a module named ``experts``, as every
-mixture-of-experts family of Hugging Face ``transformers`` 5 stores them (``mlp.experts.gate_up_proj``)."""
-
-FUSED_GATE_UP = "gate_up_proj"
-"""The name (last component) of a stack that holds each expert's gate and up projections fused, as Hugging Face
-names it; Muon orthogonalizes the two halves separately."""
-
-
-def _module_name(name: str | None) -> str | None:
-    return None if name is None else name.rpartition(".")[0]
-
-
-def _parent(module_name: str) -> str:
-    return module_name.rpartition(".")[0]
-
-
-def _module_class(entry: str | type) -> type:
-    """A module class from itself or its import path (as YAML gives it)."""
-    cls = entry
-    if isinstance(entry, str):
-        module_name, _, class_name = entry.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise TypeError(
-                f"`adamw_modules` entry {entry!r} cannot be imported ({error}); give a module class or its full"
-                " import path, e.g. 'torch.nn.Embedding'."
-            ) from error
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"`adamw_modules` entries must be nn.Module classes, got {entry!r}.")
-    return cls
-
 
 def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
     # torch optimizers refuse an empty parameter list but accept an empty group. Dropping that group
@@ -84,20 +46,6 @@ def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
     optimizer = cls([{"params": []}], **kwargs)
     optimizer.param_groups.clear()
     return optimizer
-
-
-def _holders(params: Any, by_module: bool) -> tuple[Any, dict[Tensor, nn.Module]]:
-    """``params`` as the optimizer takes them, and the module that holds each parameter when ``params`` is a
-    module (empty otherwise, which routing by module type, ``by_module``, cannot do with)."""
-    if isinstance(params, nn.Module):
-        return params.named_parameters(), {p: m for m in params.modules() for p in m.parameters(recurse=False)}
-    if by_module:
-        raise TypeError(
-            "`adamw_modules` routes parameters by the type of the module that holds them, so Muon needs the "
-            "module itself: pass `Muon(model, ...)` (in a LightningModule, `optimizer(self)`) instead of its "
-            "parameters, or route by name with `adamw_patterns`."
-        )
-    return params, {}
 
 
 class Muon(Optimizer):
@@ -217,21 +165,13 @@ class Muon(Optimizer):
         ns_batch_bytes: int | None = None,
     ) -> None:
         check_ns_batch_bytes(ns_batch_bytes)
-        for option, value in (("adamw_patterns", adamw_patterns), ("expert_patterns", expert_patterns)):
-            if isinstance(value, str):
-                raise TypeError(f"`{option}` must be a sequence of patterns, got the string {value!r}.")
-        if isinstance(adamw_modules, (str, type)):
-            adamw_modules = [adamw_modules]
-        self.adamw_patterns = tuple(adamw_patterns)
-        self.adamw_modules = tuple(_module_class(entry) for entry in adamw_modules)
-        self.muon_kernels = bool(muon_kernels)
-        self.expert_patterns = tuple(expert_patterns)
-        self.muon_routers = bool(muon_routers)
-        # Routers and experts' vectors (the parts of a mixture-of-experts layer that are not expert matrices),
-        # for the routing line; the Muon part keeps the stacks of expert matrices.
-        self._roles: dict[Tensor, str] = {}
-        # Which module holds each parameter, for `adamw_modules`; only known when given the module.
-        params, self._holder = _holders(params, by_module=bool(self.adamw_modules))
+        self.adamw_patterns = patterns("adamw_patterns", adamw_patterns)
+        self.expert_patterns = patterns("expert_patterns", expert_patterns)
+        self.adamw_modules = module_classes(adamw_modules)
+        self.muon_kernels, self.muon_routers = bool(muon_kernels), bool(muon_routers)
+        self._roles: dict[Tensor, str] = {}  # routers and experts' vectors, for the routing line
+        # Which module holds each parameter, for `adamw_modules` and experts; only known when given the module.
+        params, self._holder = holders(params, by_module=bool(self.adamw_modules))
         self._muon = _empty_optimizer(
             MatrixMuon,
             lr=lr,
@@ -286,7 +226,8 @@ class Muon(Optimizer):
         options = {key: value for key, value in param_group.items() if key != "params"}
 
         use_muon = options.pop("use_muon", None)
-        roles = self._moe_roles(params)
+        named = [p if isinstance(p, tuple) else (None, p) for p in params]
+        roles = expert_roles(named, self._holder, self.expert_patterns)
         if use_muon is None:
             to_muon = [self._routes_to_muon(p, roles.get(i)) for i, p in enumerate(params)]
             muon_params = [p for p, muon in zip(params, to_muon) if muon]
@@ -304,14 +245,7 @@ class Muon(Optimizer):
             muon_params, adamw_params = params, []
         else:
             muon_params, adamw_params = [], params
-        muon_ids = {id(p[1] if isinstance(p, tuple) else p) for p in muon_params}
-        for index, role in roles.items():
-            tensor = params[index][1] if isinstance(params[index], tuple) else params[index]
-            if isinstance(role, ExpertStack):
-                if id(tensor) in muon_ids:
-                    self._muon.expert_stacks[tensor] = role
-            else:
-                self._roles[tensor] = role
+        self._keep_roles(named, roles, muon_params)
 
         parts = [(True, muon_params, self._muon), (False, adamw_params, self._adamw)]
         # A group given without parameters stays a (empty) group, so that group counts match the user's view.
@@ -325,9 +259,19 @@ class Muon(Optimizer):
             part.add_param_group(group)
             self.param_groups.append(group)
 
+    def _keep_roles(self, named: list[tuple[Any, Tensor]], roles: dict[int, Any], muon_params: list[Any]) -> None:
+        # The Muon part cuts the stacks it steps; the routing line names the routers.
+        on_muon = {id(p[1] if isinstance(p, tuple) else p) for p in muon_params}
+        for index, role in roles.items():
+            tensor = named[index][1]
+            if not isinstance(role, ExpertStack):
+                self._roles[tensor] = role
+            elif id(tensor) in on_muon:
+                self._muon.expert_stacks[tensor] = role
+
     def _routes_to_muon(self, param: Tensor | tuple[str, Tensor], role: ExpertStack | str | None) -> bool:
         name, tensor = param if isinstance(param, tuple) else (None, param)
-        if tensor.ndim < 2 or role == "expert vectors" or (role == "router" and not self.muon_routers):
+        if tensor.ndim < 2 or role == EXPERT_VECTORS or (role == ROUTER and not self.muon_routers):
             return False
         is_kernel = tensor.ndim > 2 and not isinstance(role, ExpertStack)
         if is_kernel and (not self.muon_kernels or tensor.shape[0] == 1):
@@ -336,64 +280,6 @@ class Muon(Optimizer):
             return False
         holder = self._holder.get(tensor)
         return not (holder is not None and isinstance(holder, self.adamw_modules))
-
-    def _moe_roles(self, params: list[Any]) -> dict[int, ExpertStack | str]:
-        """The parameters of ``params`` (by index) that belong to a mixture-of-experts layer: stacks of expert
-        matrices (with how each is cut), ``"expert vectors"`` (2-D parameters of an experts module, one row per
-        expert: biases) and ``"router"`` (see the class docstring)."""
-        named = [p if isinstance(p, tuple) else (None, p) for p in params]
-        roles: dict[int, ExpertStack | str] = {}
-        experts_beside: dict[str, int] = {}  # parent module of an experts module -> its number of experts
-        stacking_holders = {id(self._holder.get(t)) for _, t in named if t.ndim == 3 and self._holds_experts(None, t)}
-        for index, (name, tensor) in enumerate(named):
-            module = _module_name(name)
-            holder = self._holder.get(tensor)
-            if tensor.ndim == 3 and self._holds_experts(module, tensor):
-                roles[index] = self._cut(name, tensor, holder, named)
-                if module is not None:
-                    experts_beside[_parent(module)] = tensor.shape[0]
-            elif tensor.ndim == 2 and (
-                (module is not None and self._matches_experts(module))
-                or (self._holds_experts(None, tensor) and id(holder) in stacking_holders)
-            ):
-                roles[index] = "expert vectors"
-        for index, (name, tensor) in enumerate(named):
-            if index in roles or tensor.ndim != 2:
-                continue
-            module = _module_name(name)
-            beside = module is not None and experts_beside.get(_parent(module)) == tensor.shape[0]
-            if beside or self._holds_experts(None, tensor):
-                roles[index] = "router"
-        return roles
-
-    def _matches_experts(self, module: str) -> bool:
-        return any(fnmatchcase(module, pattern) for pattern in self.expert_patterns)
-
-    def _holds_experts(self, module: str | None, tensor: Tensor) -> bool:
-        """Whether ``tensor`` is held by an experts module: by its module's name, or by the module's
-        ``num_experts`` (equal to the tensor's first dim) when the module is known."""
-        if module is not None and self._matches_experts(module):
-            return True
-        holder = self._holder.get(tensor)
-        experts = getattr(holder, "num_experts", None)
-        return isinstance(experts, int) and not isinstance(experts, bool) and experts == tensor.shape[0]
-
-    @staticmethod
-    def _cut(name: str | None, stack: Tensor, holder: nn.Module | None, named: list[tuple[Any, Tensor]]) -> ExpertStack:
-        """How the stack of expert matrices ``stack`` is cut: a fused gate and up projection into its two halves
-        where the layout is known, anything else into one matrix per expert."""
-        if name is None or name.rpartition(".")[2] != FUSED_GATE_UP:
-            return ExpertStack()
-        if holder is not None and hasattr(holder, "is_transposed"):  # transformers' experts say their layout
-            interleaved = not getattr(holder, "is_concatenated", True)
-            return ExpertStack(split=True, axis=1 if holder.is_transposed else 0, interleaved=interleaved)
-        # Otherwise transformers' default layout, [gate; up] rows of (2I, H) matrices, when the down projection
-        # beside it has the shape that layout gives it, (H, I).
-        down = dict(named).get(f"{_module_name(name)}.down_proj")
-        experts, rows, cols = stack.shape
-        if down is not None and tuple(down.shape) == (experts, cols, rows // 2) and rows % 2 == 0:
-            return ExpertStack(split=True)
-        return ExpertStack()
 
     def routing(self) -> dict[str, Any]:
         """Where the parameters went: per part the number of tensors and of elements, the number of kernels
@@ -440,7 +326,7 @@ class Muon(Optimizer):
                     out["muon_expert_stacks"] += 1
                     out["muon_expert_matrices"] += len(stack.shapes(tensor))
                     experts.add(tensor.shape[0])
-                elif role == "router":
+                elif role == ROUTER:
                     out["routers"][part].append(label)
                 elif tensor.ndim > 2 and group["use_muon"]:
                     out["muon_kernels"] += 1
@@ -461,16 +347,9 @@ class Muon(Optimizer):
         on AdamW: model.layers.0.mlp.gate.weight, model.layers.1.mlp.gate.weight; matrices on AdamW: ...``.
         """
         r = self.routing()
-        extras = []
-        if r["muon_expert_stacks"]:
-            stacks = r["muon_expert_stacks"]
-            counts = " or ".join(map(str, r["experts"]))
-            extras.append(
-                f"{stacks} expert stack{'s' * (stacks != 1)} as {r['muon_expert_matrices']} matrices ({counts} experts)"
-            )
-        if r["muon_kernels"]:
-            extras.append(f"{r['muon_kernels']} conv kernels as matrices")
-        details = "".join(f", {extra}" for extra in extras)
+        experts, routers = describe_experts(r)
+        kernels = f"{r['muon_kernels']} conv kernels as matrices" if r["muon_kernels"] else ""
+        details = "".join(f", {extra}" for extra in (experts, kernels) if extra)
         precision = ""
         if r["ns_dtype"]:
             if r["ns_groups"] is None:
@@ -480,11 +359,6 @@ class Muon(Optimizer):
                 if r["ns_batches"] != r["ns_groups"]:
                     how += f", {r['ns_batches']} batches"
             precision = f"; Newton-Schulz in {r['ns_dtype']}, {how}"
-        routers = "".join(
-            f"; routers on {part}: {', '.join(names)}"
-            for part, names in (("AdamW", r["routers"]["adamw"]), ("Muon", r["routers"]["muon"]))
-            if names
-        )
         matrices = ", ".join(r["adamw_matrices"]) or "none"
         return (
             f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{details}{precision}), AdamW"

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.optim import AdamW
 from torch.optim.optimizer import _to_scalar
 
+from lightning_async_pp.optim.muon_routing import ExpertStack
 from lightning_async_pp.optim.newton_schulz import (
     auto_newton_schulz_dtype,
     auto_ns_batch_bytes,
@@ -26,43 +27,12 @@ from lightning_async_pp.optim.newton_schulz import (
     torch_newton_schulz,
 )
 
-__all__ = ["AdamWPart", "ExpertStack", "MatrixMuon"]
+__all__ = ["AdamWPart", "MatrixMuon"]
 
 
 def _as_matrix(tensor: Tensor) -> Tensor:
     """A kernel (more than 2 dims) as the (out_channels, in_channels x kernel) matrix Muon orthogonalizes."""
     return tensor if tensor.ndim == 2 else tensor.view(tensor.shape[0], -1)
-
-
-@dataclass(frozen=True)
-class ExpertStack:
-    """How a stack of expert matrices ``(experts, rows, cols)`` is cut into the matrices Muon orthogonalizes:
-    each expert's matrix whole, or, for a fused gate and up projection, its two halves along ``axis`` (0: rows,
-    1: columns), either the two contiguous halves (``[gate; up]``) or the even and odd rows or columns
-    (``interleaved``, ``[gate0, up0, gate1, up1, ...]``)."""
-
-    split: bool = False
-    axis: int = 0
-    interleaved: bool = False
-
-    def matrices(self, stack: Tensor) -> list[Tensor]:
-        """Views of ``stack``'s matrices, expert by expert (gate before up)."""
-        out: list[Tensor] = []
-        for matrix in stack.unbind(0):
-            if not self.split:
-                out.append(matrix)
-            elif self.interleaved:
-                out += [matrix[::2], matrix[1::2]] if self.axis == 0 else [matrix[:, ::2], matrix[:, 1::2]]
-            else:
-                out += matrix.chunk(2, dim=self.axis)
-        return out
-
-    def shapes(self, stack: Tensor) -> list[torch.Size]:
-        """The shapes of :meth:`matrices`, without making views."""
-        experts, rows, cols = stack.shape
-        if self.split:
-            rows, cols = (rows // 2, cols) if self.axis == 0 else (rows, cols // 2)
-        return [torch.Size((rows, cols))] * (experts * (2 if self.split else 1))
 
 
 class MatrixMuon(torch.optim.Muon):
