@@ -74,12 +74,17 @@ class Muon(Optimizer):
     2,694, which on a GPU are as many kernel launches. ``batched=False`` runs :class:`torch.optim.Muon`'s and
     :class:`torch.optim.AdamW`'s own loops, tensor by tensor.
 
+    Experts stacked ``(experts, rows, cols)`` (as ``transformers`` 5 stores them) in a module matching
+    ``expert_patterns`` (or, given the model, whose ``num_experts`` is the first dim) are orthogonalized expert by
+    expert, batched with the other matrices, each with its own shape's learning-rate scale; a fused
+    ``gate_up_proj`` as gate and up where its layout is known. Routers: AdamW. In full: docs/optimizers.md.
+
     Routing, for each parameter (first rule that applies):
 
     1. in a parameter-group dict with ``"use_muon": True`` / ``False``: that part;
-    2. fewer than 2 dims (biases, norms): AdamW;
-    3. more than 2 dims: AdamW if ``muon_kernels`` is off or its first dim is 1 (a token or position
-       embedding such as a ViT's ``cls_token``, not a kernel);
+    2. fewer than 2 dims (biases, norms), a router, the experts' biases: AdamW;
+    3. more than 2 dims and not a stack of experts: AdamW if ``muon_kernels`` is off or its first dim is 1 (a
+       token or position embedding such as a ViT's ``cls_token``, not a kernel);
     4. its name matches one of ``adamw_patterns`` (:func:`fnmatch.fnmatchcase` on the full dotted name;
        needs names: ``named_parameters()`` pairs or a module): AdamW;
     5. the module that holds it is an instance of one of ``adamw_modules`` (needs ``params`` to be the
@@ -112,6 +117,8 @@ class Muon(Optimizer):
         adamw_modules: Module classes, or their import paths (``"torch.nn.Embedding"``), whose own parameters
             go to AdamW although they are matrices. Only used when ``params`` is a module.
         muon_kernels: Whether convolution kernels get Muon (flattened to matrices) or AdamW.
+        expert_patterns: ``fnmatch`` patterns of the names of the modules that hold experts' weights stacked.
+        muon_routers: Whether the routers of mixture-of-experts layers get Muon or AdamW.
         ns_dtype: Precision of the Newton-Schulz products: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere, see
             :func:`~lightning_async_pp.optim.newton_schulz.auto_newton_schulz_dtype`; inside a
             :func:`~lightning_async_pp.optim.newton_schulz.newton_schulz_dtype` block, that block's),
@@ -289,10 +296,8 @@ class Muon(Optimizer):
         groups of matrices it orthogonalizes together and the batches (chunks of at most ``ns_batch_bytes``)
         they take, both ``None`` with ``batched=False``.
 
-        Mixture-of-experts layers: ``muon_expert_stacks`` (stacks of expert matrices on Muon, counted in
-        ``muon_tensors`` too), ``muon_expert_matrices`` (the matrices they are orthogonalized as), ``experts``
-        (their numbers of experts, sorted), and ``routers``: ``{"adamw": names, "muon": names}`` of the routers'
-        weights, which are not listed in ``adamw_matrices``; neither are the experts' vectors (biases)."""
+        Experts: ``muon_expert_stacks`` (also in ``muon_tensors``), ``muon_expert_matrices``, ``experts`` (their
+        numbers) and ``routers``, ``{"adamw": names, "muon": names}`` (not in ``adamw_matrices``)."""
         out: dict[str, Any] = {
             "muon_tensors": 0,
             "muon_numel": 0,
@@ -342,9 +347,8 @@ class Muon(Optimizer):
         Example: ``Muon 4 tensors (12,288 parameters, 2 conv kernels as matrices; Newton-Schulz in float32,
         batched in 2 groups), AdamW 6 tensors (1,034 parameters); matrices on AdamW: head.weight``. With more
         batches than groups (``ns_batch_bytes``): ``batched in 3 groups, 5 batches``; with ``batched=False``:
-        ``matrix by matrix``. With mixture-of-experts layers, the stacks of expert matrices and the routers:
-        ``Muon 8 tensors (... parameters, 4 expert stacks as 48 matrices (8 experts); ...), AdamW ...; routers
-        on AdamW: model.layers.0.mlp.gate.weight, model.layers.1.mlp.gate.weight; matrices on AdamW: ...``.
+        ``matrix by matrix``. Experts: ``(..., 4 expert stacks as 48 matrices (8 experts); ...), AdamW ...;
+        routers on AdamW: model.layers.0.mlp.gate.weight, model.layers.1.mlp.gate.weight; matrices on AdamW: ...``.
         """
         r = self.routing()
         experts, routers = describe_experts(r)
