@@ -175,6 +175,7 @@ def expert_roles(
             stacking.add(id(holders.get(tensor)))
             if module is not None:
                 experts_beside[module.rpartition(".")[0]] = tensor.shape[0]
+    experts_beside = {**_listed_experts(named, named_experts), **experts_beside}
     for index, (name, tensor) in enumerate(named):
         if index in roles or tensor.ndim != 2:
             continue
@@ -187,6 +188,19 @@ def expert_roles(
         elif counts_experts(tensor):  # e.g. transformers' `*TopKRouter`, which says its `num_experts`
             roles[index] = ROUTER
     return roles
+
+
+def _listed_experts(named: Sequence[tuple[str | None, Tensor]], named_experts: Any) -> dict[str, int]:
+    """Experts kept as a list of modules (``mlp.experts.0.w1.weight``, ``mlp.experts.1.w1.weight``, ...): the
+    parent of each experts module, and its number of experts (of children)."""
+    children: dict[str, set[str]] = {}
+    for name, _ in named:
+        path = [] if name is None else name.split(".")[:-1]
+        for depth in range(len(path) - 1, 0, -1):  # the innermost experts module that is not the holder
+            if named_experts(".".join(path[:depth])):
+                children.setdefault(".".join(path[:depth]), set()).add(path[depth])
+                break
+    return {module.rpartition(".")[0]: len(names) for module, names in children.items()}
 
 
 def _module(name: str | None) -> str | None:

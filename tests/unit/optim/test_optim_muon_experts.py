@@ -266,3 +266,17 @@ def test_a_resumed_state_dict_continues_the_trajectory(corrected):
             optimizer.step()
     for (name, ours), theirs in zip(resumed_net.named_parameters(), straight_net.parameters()):
         assert torch.equal(ours, theirs), name
+
+
+def test_experts_kept_as_a_list_of_modules_are_matrices_and_their_router_goes_to_adamw():
+    """The layout of transformers 4 (Mixtral's `block_sparse_moe.experts.0.w1`), and of models that keep experts
+    as an `nn.ModuleList`: each expert's weights are ordinary matrices; the router beside them is recognized."""
+    torch.manual_seed(0)
+    experts = nn.ModuleList(
+        nn.ModuleDict({"w1": nn.Linear(HIDDEN, INNER), "w2": nn.Linear(INNER, HIDDEN)}) for _ in range(5)
+    )
+    moe = nn.ModuleDict({"gate": nn.Linear(HIDDEN, 5, bias=False), "experts": experts})
+    net = nn.ModuleDict({"moe": moe, "other": nn.Linear(HIDDEN, 5, bias=False)})  # (5, 16) but not beside them
+    routing = Muon(net.named_parameters()).routing()
+    assert routing["routers"]["adamw"] == ["moe.gate.weight"]
+    assert routing["muon_tensors"] == 2 * 5 + 1 and routing["muon_expert_stacks"] == 0
