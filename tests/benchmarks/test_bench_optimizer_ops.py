@@ -39,7 +39,11 @@ def test_experts_counts_the_stacks_per_matrix_and_batched(tmp_path):
     bench = load_benchmark("optimizer_ops")
     out = tmp_path / "experts.json"
     arguments = ["--experts", "--layers", "2", "--experts-per-layer", "2", "--width", "16", "--out", str(out)]
-    report = json.loads(json.dumps(bench.main(arguments)))
+    threads = torch.get_num_threads()
+    try:
+        report = json.loads(json.dumps(bench.main([*arguments, "--threads", "1"])))
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads(out.read_text()) == report
     assert report["config"]["matrices"] == 2 * 2 * 3  # gate, up and down per expert
     ops = {name: result["operations"] for name, result in report["operations"].items()}
