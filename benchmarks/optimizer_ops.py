@@ -22,10 +22,16 @@ Muon runs with its default ``ns_dtype="auto"``: float32 Newton-Schulz on CPU. ``
 bounds; ``targets_met`` compares them. The operation targets stand for kernel launches on a GPU, so they are
 measured with the GPU's batches (``*_gpu_batches``); the CPU default's counts are in the table beside them.
 
+``--experts`` counts instead the operations of Muon's step on the stacked experts of mixture-of-experts layers
+(``--layers`` 8 layers of ``--experts-per-layer`` 8 experts, ``(experts, 4 x width, width)`` fused gate and
+up projections and ``(experts, width, 2 x width)`` down projections, as Hugging Face stores them): each expert's
+gate, up and down are three matrices, per matrix (``batched=False``) or batched (CPU and GPU batches).
+
 Usage::
 
     python benchmarks/optimizer_ops.py --out benchmarks/results/optimizer_ops/optimizer_ops.json
     python benchmarks/optimizer_ops.py --quick   # a tiny model, a few rounds (the smoke test)
+    python benchmarks/optimizer_ops.py --experts --out benchmarks/results/optimizer_ops/optimizer_ops_experts.json
 """
 
 from __future__ import annotations
@@ -107,6 +113,67 @@ if hasattr(torch.optim, "Muon"):
     VARIANTS["torch_muon"] = lambda m: torch.optim.Muon([p for _, p in hidden_matrices(m)], lr=0.02)
 
 
+EXPERT_VARIANTS: dict[str, dict[str, Any]] = {
+    "experts_per_matrix": {"batched": False},
+    "experts": {},
+    "experts_gpu_batches": GPU_BATCHES,
+}
+
+
+def expert_stacks(layers: int, experts: int, width: int) -> torch.nn.Module:
+    """``layers`` modules named ``experts`` holding stacked expert weights, with fixed random gradients."""
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleList()
+    for _ in range(layers):
+        stacks = torch.nn.Module()
+        stacks.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 4 * width, width, generator=generator))
+        stacks.down_proj = torch.nn.Parameter(torch.randn(experts, width, 2 * width, generator=generator))
+        model.append(torch.nn.ModuleDict({"experts": stacks}))
+    for param in model.parameters():
+        param.grad = torch.randn(param.shape, generator=generator)
+    return model
+
+
+def run_experts(args: argparse.Namespace) -> dict[str, Any]:
+    """Operations of Muon's step on the expert stacks, per matrix and batched."""
+    begin = time.perf_counter()
+    operations = {
+        name: count_operations(
+            lambda m, options=options: Muon(m.named_parameters(), **MUON, **options),
+            args.layers,
+            args.width,
+            stacks=args.experts_per_layer,
+        )
+        for name, options in EXPERT_VARIANTS.items()
+    }
+    routing = Muon(expert_stacks(args.layers, args.experts_per_layer, args.width).named_parameters(), **MUON)
+    return {
+        "machine": machine_description(),
+        "config": {
+            "layers": args.layers,
+            "experts": args.experts_per_layer,
+            "width": args.width,
+            "matrices": routing.routing()["muon_expert_matrices"],
+            "routing": routing.describe_routing(),
+        },
+        "operations": operations,
+        "seconds": time.perf_counter() - begin,
+    }
+
+
+def experts_markdown(report: dict[str, Any]) -> str:
+    c, ops = report["config"], report["operations"]
+    lines = [
+        f"{c['layers']} mixture-of-experts layers of {c['experts']} experts, width {c['width']}: {c['matrices']} "
+        f"expert matrices. Muon's routing: {c['routing']}. torch {report['machine']['torch']}.",
+        "",
+        "| step | operations | per matrix |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {r['operations']:,} | {r['operations'] / c['matrices']:.2f} |" for name, r in ops.items()]
+    return "\n".join(lines)
+
+
 class OperationCounter(TorchDispatchMode):
     """Counts the operations dispatched while the mode is active, by name."""
 
@@ -119,9 +186,12 @@ class OperationCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_operations(build: Callable[[GPT], torch.optim.Optimizer], blocks: int, width: int) -> dict[str, Any]:
-    """Operations of the second step of a fresh optimizer: their number and the most frequent ones."""
-    optimizer = build(model(blocks, width))
+def count_operations(
+    build: Callable[[Any], torch.optim.Optimizer], blocks: int, width: int, stacks: int | None = None
+) -> dict[str, Any]:
+    """Operations of the second step of a fresh optimizer: their number and the most frequent ones (on the demo
+    GPT, or with ``stacks`` experts per layer on :func:`expert_stacks`)."""
+    optimizer = build(model(blocks, width) if stacks is None else expert_stacks(blocks, stacks, width))
     optimizer.step()
     counter = OperationCounter()
     with counter:
@@ -237,6 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="2 blocks of width 32, 2 rounds (smoke test)")
+    parser.add_argument("--experts", action="store_true", help="count Muon's operations on stacked experts only")
+    parser.add_argument("--layers", type=int, default=8, help="--experts: mixture-of-experts layers (default 8)")
+    parser.add_argument("--experts-per-layer", type=int, default=8, help="--experts: experts per layer (default 8)")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--markdown", default=None, help="write the Markdown tables here (default: --out's .md)")
     args = parser.parse_args(argv)
@@ -256,6 +329,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--muon-rounds and --rounds must be >= 1, --warmup >= 0")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.experts:
+        report = run_experts(args)
+        save_report_and_table(report, experts_markdown(report), args.out, args.markdown)
+        return report
     report = run(args)
     save_report_and_table(report, markdown(report), args.out, args.markdown)
     return report

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, Literal
@@ -12,6 +11,18 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_async_pp.optim.muon_parts import AdamWPart, MatrixMuon
+from lightning_async_pp.optim.muon_routing import (
+    DEFAULT_ADAMW_PATTERNS,
+    DEFAULT_EXPERT_PATTERNS,
+    EXPERT_VECTORS,
+    ROUTER,
+    ExpertStack,
+    describe_experts,
+    expert_roles,
+    holders,
+    module_classes,
+    patterns,
+)
 from lightning_async_pp.optim.newton_schulz import (  # the precision switch is importable from here too
     check_ns_batch_bytes,
     check_ns_dtype,
@@ -19,38 +30,13 @@ from lightning_async_pp.optim.newton_schulz import (  # the precision switch is 
     use_float32_newton_schulz,
 )
 
-__all__ = ["DEFAULT_ADAMW_PATTERNS", "Muon", "newton_schulz_dtype", "use_float32_newton_schulz"]
-
-DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
-    "*embed*",
-    "*wte*",
-    "*wpe*",
-    "*tok.*",
-    "*pos.*",
-    "*lm_head*",
-    "head.*",
-    "*.head.*",
-)
-"""Names (``fnmatch`` patterns on the full dotted parameter name) that go to AdamW although they are 2-D:
-token/position embeddings and output heads in the usual naming schemes (nanoGPT, Hugging Face, timm, this
-project's demo GPT)."""
-
-
-def _module_class(entry: str | type) -> type:
-    """A module class from itself or its import path (as YAML gives it)."""
-    cls = entry
-    if isinstance(entry, str):
-        module_name, _, class_name = entry.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise TypeError(
-                f"`adamw_modules` entry {entry!r} cannot be imported ({error}); give a module class or its full"
-                " import path, e.g. 'torch.nn.Embedding'."
-            ) from error
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"`adamw_modules` entries must be nn.Module classes, got {entry!r}.")
-    return cls
+__all__ = [
+    "DEFAULT_ADAMW_PATTERNS",
+    "DEFAULT_EXPERT_PATTERNS",
+    "Muon",
+    "newton_schulz_dtype",
+    "use_float32_newton_schulz",
+]
 
 
 def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
@@ -60,20 +46,6 @@ def _empty_optimizer(cls: type[Optimizer], **kwargs: Any) -> Optimizer:
     optimizer = cls([{"params": []}], **kwargs)
     optimizer.param_groups.clear()
     return optimizer
-
-
-def _holders(params: Any, by_module: bool) -> tuple[Any, dict[Tensor, nn.Module]]:
-    """``params`` as the optimizer takes them, and the module that holds each parameter when ``params`` is a
-    module (empty otherwise, which routing by module type, ``by_module``, cannot do with)."""
-    if isinstance(params, nn.Module):
-        return params.named_parameters(), {p: m for m in params.modules() for p in m.parameters(recurse=False)}
-    if by_module:
-        raise TypeError(
-            "`adamw_modules` routes parameters by the type of the module that holds them, so Muon needs the "
-            "module itself: pass `Muon(model, ...)` (in a LightningModule, `optimizer(self)`) instead of its "
-            "parameters, or route by name with `adamw_patterns`."
-        )
-    return params, {}
 
 
 class Muon(Optimizer):
@@ -102,12 +74,17 @@ class Muon(Optimizer):
     2,694, which on a GPU are as many kernel launches. ``batched=False`` runs :class:`torch.optim.Muon`'s and
     :class:`torch.optim.AdamW`'s own loops, tensor by tensor.
 
+    Experts stacked ``(experts, rows, cols)`` (as ``transformers`` 5 stores them) in a module matching
+    ``expert_patterns`` (or, given the model, whose ``num_experts`` is the first dim) are orthogonalized expert by
+    expert, batched with the other matrices, each with its own shape's learning-rate scale; a fused
+    ``gate_up_proj`` as gate and up where its layout is known. Routers: AdamW. In full: docs/optimizers.md.
+
     Routing, for each parameter (first rule that applies):
 
     1. in a parameter-group dict with ``"use_muon": True`` / ``False``: that part;
-    2. fewer than 2 dims (biases, norms): AdamW;
-    3. more than 2 dims: AdamW if ``muon_kernels`` is off or its first dim is 1 (a token or position
-       embedding such as a ViT's ``cls_token``, not a kernel);
+    2. fewer than 2 dims (biases, norms), a router, the experts' biases: AdamW;
+    3. more than 2 dims and not a stack of experts: AdamW if ``muon_kernels`` is off or its first dim is 1 (a
+       token or position embedding such as a ViT's ``cls_token``, not a kernel);
     4. its name matches one of ``adamw_patterns`` (:func:`fnmatch.fnmatchcase` on the full dotted name;
        needs names: ``named_parameters()`` pairs or a module): AdamW;
     5. the module that holds it is an instance of one of ``adamw_modules`` (needs ``params`` to be the
@@ -140,6 +117,8 @@ class Muon(Optimizer):
         adamw_modules: Module classes, or their import paths (``"torch.nn.Embedding"``), whose own parameters
             go to AdamW although they are matrices. Only used when ``params`` is a module.
         muon_kernels: Whether convolution kernels get Muon (flattened to matrices) or AdamW.
+        expert_patterns: ``fnmatch`` patterns of the names of the modules that hold experts' weights stacked.
+        muon_routers: Whether the routers of mixture-of-experts layers get Muon or AdamW.
         ns_dtype: Precision of the Newton-Schulz products: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere, see
             :func:`~lightning_async_pp.optim.newton_schulz.auto_newton_schulz_dtype`; inside a
             :func:`~lightning_async_pp.optim.newton_schulz.newton_schulz_dtype` block, that block's),
@@ -186,20 +165,20 @@ class Muon(Optimizer):
         adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS,
         adamw_modules: Sequence[str | type] = (),
         muon_kernels: bool = True,
+        expert_patterns: Sequence[str] = DEFAULT_EXPERT_PATTERNS,
+        muon_routers: bool = False,
         ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto",
         batched: bool = True,
         ns_batch_bytes: int | None = None,
     ) -> None:
         check_ns_batch_bytes(ns_batch_bytes)
-        if isinstance(adamw_patterns, str):
-            raise TypeError(f"`adamw_patterns` must be a sequence of patterns, got the string {adamw_patterns!r}.")
-        if isinstance(adamw_modules, (str, type)):
-            adamw_modules = [adamw_modules]
-        self.adamw_patterns = tuple(adamw_patterns)
-        self.adamw_modules = tuple(_module_class(entry) for entry in adamw_modules)
-        self.muon_kernels = bool(muon_kernels)
-        # Which module holds each parameter, for `adamw_modules`; only known when given the module.
-        params, self._holder = _holders(params, by_module=bool(self.adamw_modules))
+        self.adamw_patterns = patterns("adamw_patterns", adamw_patterns)
+        self.expert_patterns = patterns("expert_patterns", expert_patterns)
+        self.adamw_modules = module_classes(adamw_modules)
+        self.muon_kernels, self.muon_routers = bool(muon_kernels), bool(muon_routers)
+        self._roles: dict[Tensor, str] = {}  # routers and experts' vectors, for the routing line
+        # Which module holds each parameter, for `adamw_modules` and experts; only known when given the module.
+        params, self._holder = holders(params, by_module=bool(self.adamw_modules))
         self._muon = _empty_optimizer(
             MatrixMuon,
             lr=lr,
@@ -254,9 +233,12 @@ class Muon(Optimizer):
         options = {key: value for key, value in param_group.items() if key != "params"}
 
         use_muon = options.pop("use_muon", None)
+        named = [p if isinstance(p, tuple) else (None, p) for p in params]
+        roles = expert_roles(named, self._holder, self.expert_patterns)
         if use_muon is None:
-            muon_params = [p for p in params if self._routes_to_muon(p)]
-            adamw_params = [p for p in params if not self._routes_to_muon(p)]
+            to_muon = [self._routes_to_muon(p, roles.get(i)) for i, p in enumerate(params)]
+            muon_params = [p for p, muon in zip(params, to_muon) if muon]
+            adamw_params = [p for p, muon in zip(params, to_muon) if not muon]
         elif use_muon:
             for index, param in enumerate(params):
                 name, tensor = param if isinstance(param, tuple) else (None, param)
@@ -270,6 +252,7 @@ class Muon(Optimizer):
             muon_params, adamw_params = params, []
         else:
             muon_params, adamw_params = [], params
+        self._keep_roles(named, roles, muon_params)
 
         parts = [(True, muon_params, self._muon), (False, adamw_params, self._adamw)]
         # A group given without parameters stays a (empty) group, so that group counts match the user's view.
@@ -283,11 +266,22 @@ class Muon(Optimizer):
             part.add_param_group(group)
             self.param_groups.append(group)
 
-    def _routes_to_muon(self, param: Tensor | tuple[str, Tensor]) -> bool:
+    def _keep_roles(self, named: list[tuple[Any, Tensor]], roles: dict[int, Any], muon_params: list[Any]) -> None:
+        # The Muon part cuts the stacks it steps; the routing line names the routers.
+        on_muon = {id(p[1] if isinstance(p, tuple) else p) for p in muon_params}
+        for index, role in roles.items():
+            tensor = named[index][1]
+            if not isinstance(role, ExpertStack):
+                self._roles[tensor] = role
+            elif id(tensor) in on_muon:
+                self._muon.expert_stacks[tensor] = role
+
+    def _routes_to_muon(self, param: Tensor | tuple[str, Tensor], role: ExpertStack | str | None) -> bool:
         name, tensor = param if isinstance(param, tuple) else (None, param)
-        if tensor.ndim < 2:
+        if tensor.ndim < 2 or role == EXPERT_VECTORS or (role == ROUTER and not self.muon_routers):
             return False
-        if tensor.ndim > 2 and (not self.muon_kernels or tensor.shape[0] == 1):
+        is_kernel = tensor.ndim > 2 and not isinstance(role, ExpertStack)
+        if is_kernel and (not self.muon_kernels or tensor.shape[0] == 1):
             return False
         if name is not None and any(fnmatchcase(name, pattern) for pattern in self.adamw_patterns):
             return False
@@ -300,14 +294,21 @@ class Muon(Optimizer):
         counting over all of this optimizer's parameters), ``ns_dtype``: the precision the next step's
         Newton-Schulz runs in (``None`` when the Muon part is empty), and ``ns_groups`` and ``ns_batches``: the
         groups of matrices it orthogonalizes together and the batches (chunks of at most ``ns_batch_bytes``)
-        they take, both ``None`` with ``batched=False``."""
+        they take, both ``None`` with ``batched=False``.
+
+        Experts: ``muon_expert_stacks`` (also in ``muon_tensors``), ``muon_expert_matrices``, ``experts`` (their
+        numbers) and ``routers``, ``{"adamw": names, "muon": names}`` (not in ``adamw_matrices``)."""
         out: dict[str, Any] = {
             "muon_tensors": 0,
             "muon_numel": 0,
             "muon_kernels": 0,
+            "muon_expert_stacks": 0,
+            "muon_expert_matrices": 0,
+            "experts": [],
             "adamw_tensors": 0,
             "adamw_numel": 0,
             "adamw_matrices": [],
+            "routers": {"adamw": [], "muon": []},
             "ns_dtype": self._muon.resolved_ns_dtype(),
             "ns_groups": None,
             "ns_batches": None,
@@ -315,18 +316,29 @@ class Muon(Optimizer):
         if self._muon.batched:
             batches = self._muon.ns_batches()
             out["ns_groups"], out["ns_batches"] = len(batches), sum(chunks for _, _, chunks in batches)
+        experts: set[int] = set()
         index = 0
         for group in self.param_groups:
             names = group.get("param_names", [None] * len(group["params"]))
             part = "muon" if group["use_muon"] else "adamw"
             for name, tensor in zip(names, group["params"]):
+                label = name if name is not None else f"#{index}"
                 out[f"{part}_tensors"] += 1
                 out[f"{part}_numel"] += tensor.numel()
-                if tensor.ndim > 2 and group["use_muon"]:
+                stack = self._muon.expert_stacks.get(tensor) if group["use_muon"] else None
+                role = self._roles.get(tensor)
+                if stack is not None:
+                    out["muon_expert_stacks"] += 1
+                    out["muon_expert_matrices"] += len(stack.shapes(tensor))
+                    experts.add(tensor.shape[0])
+                elif role == ROUTER:
+                    out["routers"][part].append(label)
+                elif tensor.ndim > 2 and group["use_muon"]:
                     out["muon_kernels"] += 1
-                if tensor.ndim >= 2 and not group["use_muon"]:
-                    out["adamw_matrices"].append(name if name is not None else f"#{index}")
+                elif tensor.ndim >= 2 and not group["use_muon"] and role is None:
+                    out["adamw_matrices"].append(label)
                 index += 1
+        out["experts"] = sorted(experts)
         return out
 
     def describe_routing(self) -> str:
@@ -335,10 +347,13 @@ class Muon(Optimizer):
         Example: ``Muon 4 tensors (12,288 parameters, 2 conv kernels as matrices; Newton-Schulz in float32,
         batched in 2 groups), AdamW 6 tensors (1,034 parameters); matrices on AdamW: head.weight``. With more
         batches than groups (``ns_batch_bytes``): ``batched in 3 groups, 5 batches``; with ``batched=False``:
-        ``matrix by matrix``.
+        ``matrix by matrix``. Experts: ``(..., 4 expert stacks as 48 matrices (8 experts); ...), AdamW ...;
+        routers on AdamW: model.layers.0.mlp.gate.weight, model.layers.1.mlp.gate.weight; matrices on AdamW: ...``.
         """
         r = self.routing()
-        kernels = f", {r['muon_kernels']} conv kernels as matrices" if r["muon_kernels"] else ""
+        experts, routers = describe_experts(r)
+        kernels = f"{r['muon_kernels']} conv kernels as matrices" if r["muon_kernels"] else ""
+        details = "".join(f", {extra}" for extra in (experts, kernels) if extra)
         precision = ""
         if r["ns_dtype"]:
             if r["ns_groups"] is None:
@@ -350,8 +365,8 @@ class Muon(Optimizer):
             precision = f"; Newton-Schulz in {r['ns_dtype']}, {how}"
         matrices = ", ".join(r["adamw_matrices"]) or "none"
         return (
-            f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{kernels}{precision}), AdamW"
-            f" {r['adamw_tensors']} tensors ({r['adamw_numel']:,} parameters); matrices on AdamW: {matrices}"
+            f"Muon {r['muon_tensors']} tensors ({r['muon_numel']:,} parameters{details}{precision}), AdamW"
+            f" {r['adamw_tensors']} tensors ({r['adamw_numel']:,} parameters){routers}; matrices on AdamW: {matrices}"
         )
 
     def _check_disjoint_and_naming(self, group: dict[str, Any]) -> None:
@@ -378,6 +393,10 @@ class Muon(Optimizer):
         self._adamw.param_groups = [group for group in self.param_groups if not group["use_muon"]]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # Pickled before mixture-of-experts routing existed.
+        state.setdefault("expert_patterns", DEFAULT_EXPERT_PATTERNS)
+        state.setdefault("muon_routers", False)
+        state.setdefault("_roles", {})
         super().__setstate__(state)
         if "_muon" in self.__dict__:
             self._share_with_parts()
@@ -388,6 +407,9 @@ class Muon(Optimizer):
             "adamw_patterns": self.adamw_patterns,
             "adamw_modules": self.adamw_modules,
             "muon_kernels": self.muon_kernels,
+            "expert_patterns": self.expert_patterns,
+            "muon_routers": self.muon_routers,
+            "_roles": self._roles,
             "_holder": {},
             "_muon": self._muon,
             "_adamw": self._adamw,

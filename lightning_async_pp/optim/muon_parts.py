@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.optim import AdamW
 from torch.optim.optimizer import _to_scalar
 
+from lightning_async_pp.optim.muon_routing import ExpertStack
 from lightning_async_pp.optim.newton_schulz import (
     auto_newton_schulz_dtype,
     auto_ns_batch_bytes,
@@ -35,10 +36,19 @@ def _as_matrix(tensor: Tensor) -> Tensor:
 
 
 class MatrixMuon(torch.optim.Muon):
-    """:class:`torch.optim.Muon`, whose step also takes kernels: each one is updated as its matrix
-    ``(shape[0], -1)``, a view of the parameter, its gradient and its momentum buffer, as Muon's reference
-    implementation does for convolution filters. The learning-rate adjustment then sees the matrix shape.
+    """:class:`torch.optim.Muon`, whose step also takes kernels and stacks of expert matrices: a kernel is updated
+    as its matrix ``(shape[0], -1)``, a view of the parameter, its gradient and its momentum buffer, as Muon's
+    reference implementation does for convolution filters; a stack in :attr:`expert_stacks` as the matrices its
+    :class:`ExpertStack` cuts it into, views likewise. The learning-rate adjustment then sees the matrix shape.
     2-D parameters go through torch's code unchanged."""
+
+    expert_stacks: dict[Tensor, ExpertStack]
+    """The parameters that are stacks of expert matrices, and how each is cut (the others are matrices or
+    kernels). Kept here rather than in the parameter groups, whose dicts a state dict replaces."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.expert_stacks = {}
+        super().__init__(*args, **kwargs)
 
     def _init_group(
         self,
@@ -63,12 +73,17 @@ class MatrixMuon(torch.optim.Muon):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             elif not state["momentum_buffer"].is_contiguous():
                 state["momentum_buffer"] = state["momentum_buffer"].contiguous()
-            if p.is_contiguous():
-                params_with_grad.append(_as_matrix(p))
-            else:  # e.g. channels_last: update a contiguous copy, written back after the step
+            flat = p
+            if not p.is_contiguous():  # e.g. channels_last: update a contiguous copy, written back after the step
                 flat = p.contiguous()
                 self._write_back.append((p, flat))
-                params_with_grad.append(_as_matrix(flat))
+            stack = self.expert_stacks.get(p)
+            if stack is not None:
+                params_with_grad += stack.matrices(flat)
+                grads += stack.matrices(p.grad)
+                muon_momentum_bufs += stack.matrices(state["momentum_buffer"])
+                continue
+            params_with_grad.append(_as_matrix(flat))
             grads.append(p.grad.reshape(p.shape[0], -1))
             muon_momentum_bufs.append(_as_matrix(state["momentum_buffer"]))
         return False
@@ -84,7 +99,12 @@ class MatrixMuon(torch.optim.Muon):
             "ns_dtype": self.ns_dtype,
             "batched": self.batched,
             "ns_batch_bytes": self.ns_batch_bytes,
+            "expert_stacks": self.expert_stacks,
         }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("expert_stacks", {})  # pickled before stacks of experts existed
+        super().__setstate__(state)
 
     def resolved_ns_dtype(self) -> str | None:
         """The precision of this step's Newton-Schulz products, ``None`` without a parameter to update."""
@@ -105,9 +125,11 @@ class MatrixMuon(torch.optim.Muon):
         sizes: dict[tuple, int] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                matrix = p.view(p.shape[0], -1) if p.ndim > 2 else p
-                key = _batch_key(matrix, p.dtype, group)
-                sizes[key] = sizes.get(key, 0) + 1
+                stack = self.expert_stacks.get(p)
+                shapes = stack.shapes(p) if stack is not None else [_as_matrix(p).shape]
+                for shape in shapes:
+                    key = _batch_key(shape, p.device, p.dtype, p.dtype, group)
+                    sizes[key] = sizes.get(key, 0) + 1
         return [(key[0], n, len(_even_chunks(n, self._per_chunk(key, ns_dtype)))) for key, n in sizes.items()]
 
     def _per_chunk(self, key: tuple, ns_dtype: str) -> int:
@@ -158,7 +180,8 @@ class MatrixMuon(torch.optim.Muon):
             for param, grad, buf in zip(params, grads, bufs):
                 alpha = -_torch_muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape)
                 matrix = _Matrix(param, grad, buf, alpha, tall=param.shape[0] > param.shape[1])
-                batches.setdefault(_batch_key(param, grad.dtype, group), []).append(matrix)
+                key = _batch_key(param.shape, param.device, param.dtype, grad.dtype, group)
+                batches.setdefault(key, []).append(matrix)
         for key, matrices in batches.items():
             (wide_shape, _, _, _, momentum, nesterov, coefficients, ns_steps, eps) = key
             for chunk in _even_chunks(len(matrices), self._per_chunk(key, ns_dtype)):
@@ -179,14 +202,16 @@ class _Matrix:
     tall: bool
 
 
-def _batch_key(matrix: Tensor, grad_dtype: torch.dtype, group: MutableMapping) -> tuple:
+def _batch_key(
+    shape: torch.Size, device: torch.device, dtype: torch.dtype, grad_dtype: torch.dtype, group: MutableMapping
+) -> tuple:
     """What matrices must share to be orthogonalized in one stack: the shape with rows <= cols (a tall matrix
     is iterated transposed, so it joins its transpose), device, dtypes and the group's iteration settings."""
-    rows, cols = matrix.shape
+    rows, cols = shape
     return (
         (min(rows, cols), max(rows, cols)),
-        matrix.device,
-        matrix.dtype,
+        device,
+        dtype,
         grad_dtype,
         group["momentum"],
         group["nesterov"],

@@ -33,3 +33,19 @@ def test_quick_writes_all_fields(tmp_path):
     assert set(report["paired_ratios"]) == set(bench.PAIRS)
     assert set(report["targets_met"]) == set(report["targets"]) == set(report["measured"])
     assert "batched in 3 groups" in report["config"]["routing"]
+
+
+def test_experts_counts_the_stacks_per_matrix_and_batched(tmp_path):
+    bench = load_benchmark("optimizer_ops")
+    out = tmp_path / "experts.json"
+    arguments = ["--experts", "--layers", "2", "--experts-per-layer", "2", "--width", "16", "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        report = json.loads(json.dumps(bench.main([*arguments, "--threads", "1"])))
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == report
+    assert report["config"]["matrices"] == 2 * 2 * 3  # gate, up and down per expert
+    ops = {name: result["operations"] for name, result in report["operations"].items()}
+    assert set(ops) == set(bench.EXPERT_VARIANTS)
+    assert 0 < ops["experts_gpu_batches"] <= ops["experts"] < ops["experts_per_matrix"]
