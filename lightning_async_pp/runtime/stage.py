@@ -189,6 +189,7 @@ class StageRuntime:
                 before_update=self.before_update,
                 ties=self.ties,
                 shard=self.shard_optimizer,
+                stage=self.stage,
             )
         self.timer = StepTimer(self.device, self.trace, self.trace_window, self.time_actions)
         self._observers: collections.OrderedDict[int, Observer] = collections.OrderedDict()
