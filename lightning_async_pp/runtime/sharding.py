@@ -20,8 +20,9 @@ One update, for the stage's gradients of one step:
    tensors into the new weight version. Besides the flat buffer (the size of the gradient, as the unsharded
    average's buckets) only the owner's ``1/D`` of it is allocated.
 
-When each step runs (at ``UPDATE``, the next backward, or where the update settles) is
-:class:`~lightning_async_pp.runtime.updates.UpdateDriver`'s business.
+When each step runs (at ``UPDATE``, the next backward, or where the update settles) is the update's plan
+(:class:`~lightning_async_pp.schedule.UpdatePlan`), which :class:`~lightning_async_pp.runtime.updates.UpdateDriver`
+executes.
 """
 
 from __future__ import annotations

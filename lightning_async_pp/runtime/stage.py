@@ -8,8 +8,9 @@ knows nothing of Lightning. One process runs one :class:`StageRuntime`, which lo
   in-flight micro-batch runs on. The layers run with the copy of the version a micro-batch was pinned to in
   place of their parameters (:class:`~lightning_async_pp.runtime.versions_swap.ParameterSwap`).
 - :class:`~lightning_async_pp.runtime.updates.UpdateDriver`: each step's gradient, averaged over replicas,
-  summed over tied copies, clipped, and applied with that step's hyperparameters (none on an
-  evaluation-only runtime, built with ``optimizer=None``).
+  summed over tied copies, clipped, and applied with that step's hyperparameters, at the points the update's
+  plan (:class:`~lightning_async_pp.schedule.UpdatePlan`) names (none on an evaluation-only runtime, built
+  with ``optimizer=None``).
 - :class:`~lightning_async_pp.runtime.timing.StepTimer`: per-step statistics and the action trace.
 
 Recomputation. A layer that recomputes its forward in backward (``torch.utils.checkpoint``) reads its
@@ -190,6 +191,7 @@ class StageRuntime:
                 before_update=self.before_update,
                 ties=self.ties,
                 shard=self.shard_optimizer,
+                stage=self.stage,
             )
         self.timer = StepTimer(self.device, self.trace, self.trace_window, self.time_actions)
         self._observers: collections.OrderedDict[int, Observer] = collections.OrderedDict()

@@ -19,17 +19,16 @@ head's copy elsewhere). :func:`check_tied_updates` compares the settings once, b
 a difference.
 
 The module knows nothing of Lightning: the strategy finds the ties before it drops other stages' layers
-and creates the groups; :class:`~lightning_async_pp.runtime.stage.StageRuntime` calls
-:meth:`TiedGradients.start` in its update.
+and creates the groups; :class:`~lightning_async_pp.runtime.updates.UpdateDriver` posts and waits for the sums
+and the norm (:class:`TiedGradients`) where the update's plan says.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -199,65 +198,59 @@ class TiedGradients:
         self.local_names = {tie.names[stage] for tie in self.ties if stage in tie.names}
         """This stage's names of tied parameters: clipping leaves them out of the local norm."""
 
-    def start(
-        self,
-        grads: dict[str, Tensor],
-        norm_sq: Tensor | None = None,
-        norm_group: Any = None,
-    ) -> Callable[[], Tensor | None]:
-        """Post the sums (non-blocking); the returned function waits for them and writes them into ``grads``.
+    @property
+    def holders(self) -> tuple[tuple[int, ...], ...]:
+        """Per trained tie, the stages holding a copy: the ties of the update's
+        :class:`~lightning_async_pp.schedule.UpdatePlan`, whose tie indices are this object's."""
+        return tuple(tuple(tie.owners) for tie in self.ties)
 
-        Each owned tie's gradient is summed by one all-reduce over its owners. With ``norm_sq`` (this stage's
-        squared norm of its untied gradients, for clipping) the sums are taken in float32, and one all-reduce
-        over the pipeline (``norm_group``) carries only scalars: every stage's ``norm_sq`` and, from the lowest
-        owner of each tie, the squared norm of its summed gradient, so that each tie counts once; the returned
-        function then gives the global squared norm.
+    def post_sum(self, index: int, grads: dict[str, Tensor], widen: bool) -> PostedSum:
+        """Post the sum of tie ``index``'s gradient over its holders (non-blocking; this stage holds it); with
+        ``widen`` (clipping) the sum is taken in float32, whose squared norm :meth:`post_norm` adds."""
+        grad = grads[self.ties[index].names[self.stage]]
+        summed = grad.float() if widen else grad
+        return PostedSum(grad, summed, dist.all_reduce(summed, group=self.groups[index], async_op=True))
 
-        The lowest owner needs its tie's sum before it can post the norm. Stage 0 (the first to need the new
-        version, at a forward that waits for no other stage) posts it in the returned function, after the
-        sum; a higher lowest owner waits for the sum here, which every other owner has posted at its own
-        update before this stage's last backward could finish. Every other stage posts the norm here.
+    @staticmethod
+    def wait_sum(posted: PostedSum) -> None:
+        """Wait for a tie's sum; copy a float32 sum back into its gradient."""
+        posted.work.wait()
+        if posted.summed is not posted.grad:
+            posted.grad.copy_(posted.summed)
+
+    def post_norm(self, norm_sq: Tensor, sums: Mapping[int, PostedSum], group: Any) -> tuple[Tensor, Any]:
+        """Post the clipping norm's all-reduce over the pipeline (``group``), which carries only scalars: every
+        stage's ``norm_sq`` (its squared norm of its untied gradients) and, from the lowest holder of each tie,
+        the squared norm of its summed gradient, so that each tie counts once. The lowest holder's sums (in
+        ``sums``, by tie index) must have arrived: the update's plan waits for them first.
+
+        Returns:
+            The all-reduced scalars and the work; :meth:`wait_norm` gives the global squared norm.
         """
-        sums: list[tuple[int, Tensor, Tensor, Any]] = []  # (tie index, gradient, its float32 copy or itself, work)
-        for index, tie in enumerate(self.ties):
-            if self.stage in tie.names:
-                grad = grads[tie.names[self.stage]]
-                summed = grad if norm_sq is None else grad.float()
-                sums.append((index, grad, summed, dist.all_reduce(summed, group=self.groups[index], async_op=True)))
-        if norm_sq is None:
-            return functools.partial(_finish_sums, sums)
-        lowest = [entry for entry in sums if self.ties[entry[0]].owners[0] == self.stage]
-        others = [entry for entry in sums if self.ties[entry[0]].owners[0] != self.stage]
+        zero = norm_sq.new_zeros((), dtype=torch.float32)
+        parts = [norm_sq.reshape(()).float()] + [zero] * len(self.ties)
+        for index, posted in sums.items():
+            if self.ties[index].owners[0] == self.stage:
+                parts[1 + index] = posted.summed.pow(2).sum()
+        flat = torch.stack(parts)
+        return flat, dist.all_reduce(flat, group=group, async_op=True)
 
-        def post_norm() -> tuple[Tensor, Any]:
-            _finish_sums(lowest)
-            zero = norm_sq.new_zeros((), dtype=torch.float32)
-            parts = [norm_sq.reshape(()).float()] + [zero] * len(self.ties)
-            for index, _, summed, _ in lowest:
-                parts[1 + index] = summed.pow(2).sum()
-            flat = torch.stack(parts)
-            return flat, dist.all_reduce(flat, group=norm_group, async_op=True)
-
-        posted = None if lowest and self.stage == 0 else post_norm()
-
-        def finish_with_norm() -> Tensor:
-            flat, work = posted if posted is not None else post_norm()
-            _finish_sums(others)
-            work.wait()
-            total = flat[:1].clone()
-            for index in range(len(self.ties)):
-                total += flat[1 + index]  # in the order of the ties, as one device adds their norms
-            return total
-
-        return finish_with_norm
-
-
-def _finish_sums(sums: Sequence[tuple[int, Tensor, Tensor, Any]]) -> None:
-    """Wait for the tied gradients' sums; copy a float32 sum back into its gradient."""
-    for _, grad, summed, work in sums:
+    def wait_norm(self, flat: Tensor, work: Any) -> Tensor:
+        """Wait for :meth:`post_norm`'s all-reduce; the global squared norm (shape ``(1,)``)."""
         work.wait()
-        if summed is not grad:
-            grad.copy_(summed)
+        total = flat[:1].clone()
+        for index in range(len(self.ties)):
+            total += flat[1 + index]  # in the order of the ties, as one device adds their norms
+        return total
+
+
+class PostedSum(NamedTuple):
+    """A tie's sum in flight: the stage's gradient, the tensor summed (a float32 copy or the gradient) and the
+    all-reduce's work."""
+
+    grad: Tensor
+    summed: Tensor
+    work: Any
 
 
 def new_tie_groups(

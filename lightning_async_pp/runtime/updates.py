@@ -1,34 +1,30 @@
 """A stage's weight updates: the step's gradient, averaged over replicas, summed over tied copies, clipped by
 the global norm, and applied with the hyperparameters the trainer had set for that step.
 
-Update timing. ``UPDATE(t)`` runs as soon as the stage's last backward of step ``t`` is done. What it
-needs from other processes it posts as non-blocking collectives, and it applies the update only when the
-new version is first needed (the first forward of step ``t + 2`` in 2BW), which keeps the pipeline free of
-a barrier: the average over data-parallel replicas (bucketed, :mod:`~lightning_async_pp.runtime.replicas`),
-the sums of tied gradients (:mod:`~lightning_async_pp.runtime.ties`), and with gradient clipping the
-global norm, which needs every stage's share.
-
-With the optimizer state sharded over the replicas (:mod:`~lightning_async_pp.runtime.sharding`), the average
-is a reduce-scatter to each tensor's owner, the owner steps its tensors, and an all-gather brings the new
-weights to every replica, waited for where the version is first needed (or at the next ``UPDATE``, which
-reuses the buffers). The owner steps as early as it can without waiting for a peer that is still computing:
-
-- without clipping and ties, at the stage's next backward after ``UPDATE(t)`` (:meth:`UpdateDriver.advance`):
-  the reduce-scatter, posted at ``UPDATE(t)``, involves the stage's replicas alone;
-- with clipping or ties (2BW), at the forward of micro-batch ``P - 1`` of step ``t + 1``
-  (:meth:`UpdateDriver.settle`), which every stage runs after every stage's ``UPDATE(t)``
-  (:func:`~lightning_async_pp.schedule.updates_settled_by`), so the norm and the tied sums are in.
-
-Either way the all-gather overlaps the rest of step ``t + 1``: 2BW keeps its zero bubble.
+``UPDATE(t)`` runs as soon as the stage's last backward of step ``t`` is done. What it needs from other
+processes it posts as non-blocking collectives, and it waits for each, steps the optimizer and publishes version
+``t + 1`` as late as it may without a process waiting for another: the average over data-parallel replicas
+(bucketed, :mod:`~lightning_async_pp.runtime.replicas`), or with the optimizer state sharded a reduce-scatter
+to each tensor's owner and an all-gather of the owners' new weights
+(:mod:`~lightning_async_pp.runtime.sharding`), the sums of tied gradients
+(:mod:`~lightning_async_pp.runtime.ties`), and with gradient clipping the global norm, which needs every stage's
+share. Which is posted and waited for where is the update's plan,
+:class:`~lightning_async_pp.schedule.UpdatePlan` (its docstring lists the order per mode), the same plan the
+deadlock model checks: :class:`UpdateDriver` executes its entries, each by the operation of
+:attr:`UpdateDriver.OPERATIONS` for it, at the points the runtime calls it at (:meth:`UpdateDriver.start` at
+``UPDATE``, :meth:`~UpdateDriver.advance` after each backward, :meth:`~UpdateDriver.settle` and
+:meth:`~UpdateDriver.complete` at each forward, ``complete`` again at the drain). With sharded state the owner
+steps at the next backward or where the update settles, so the all-gather overlaps the rest of step ``t + 1``:
+2BW keeps its zero bubble.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,7 +35,7 @@ from lightning_async_pp.runtime.replicas import ReplicaAverage
 from lightning_async_pp.runtime.sharding import ReplicaShards, keep_owned, plan_owners
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.weights import WeightVersions
-from lightning_async_pp.schedule import updates_settled_by, weight_version
+from lightning_async_pp.schedule import POINTS, PlanEntry, UpdatePlan, updates_settled_by, weight_version
 
 NOT_HYPERPARAMETERS = ("params", "param_names")
 """Keys of an optimizer's param group that are not hyperparameters."""
@@ -53,24 +49,20 @@ class PendingUpdate:
 
     Args:
         step: The step whose gradient this is; applying it produces version ``step + 1``.
-        grads: The gradient, by parameter name.
-        norm_sq: The squared global gradient norm (or this stage's share until ``work`` or ``finish`` is done).
-        work: The norm's all-reduce in flight.
-        finish: Completes the tied-gradient sums (and the norm); returns the norm when it computed it.
-        average: Completes the average over replicas (before ``finish``).
-        reduce: Returns the owned gradients once their reduce-scatter has arrived (sharded state): set until the
-            update is stepped, at the next backward (:meth:`UpdateDriver.advance`) or where the version is needed.
-        gather: Completes the all-gather of the owners' new weights (sharded state, once stepped).
+        grads: The gradient, by parameter name (with sharded state, once averaged: the owned and the tied ones).
+        later: The plan's entries still to run, at each point after ``"update"``.
+        norm_sq: The squared global gradient norm (this stage's share until the norm's all-reduce is waited for).
+        norms: Sharded state: every untied tensor's norm, this replica's own filled in, until summed over the
+            replicas.
+        posted: The collectives in flight, by name (and tie): what their wait needs.
     """
 
     step: int
     grads: dict[str, Tensor]
+    later: dict[str, list[PlanEntry]]
     norm_sq: Tensor | None = None
-    work: Any = None
-    finish: Callable[[], Tensor | None] | None = None
-    average: Callable[[], None] | None = None
-    reduce: Callable[[], dict[str, Tensor]] | None = None
-    gather: Callable[[], None] | None = None
+    norms: Tensor | None = None
+    posted: dict[tuple[str, int], Any] = field(default_factory=dict)
 
 
 class StepHyperparameters:
@@ -140,22 +132,23 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _wait_for(name: str) -> Callable[[UpdateDriver, PendingUpdate, int], None]:
+    """The operation that waits for the collective ``name``, whose result its finish leaves in place."""
+
+    def wait(driver: UpdateDriver, pending: PendingUpdate, index: int) -> None:
+        pending.posted.pop((name, 0))()
+
+    return wait
+
+
 class UpdateDriver:
-    """Turns each step's gradient into the next weight version.
-
-    The average over replicas is posted at ``UPDATE`` and waited for where the new version is first needed
-    (:meth:`complete`), or at the next ``UPDATE``, which reuses its buckets. With a ``before_update`` hook,
-    gradient clipping or tied parameters, it is waited for at once: the hook and the clipping norm need the
-    averaged gradient at ``UPDATE``, and so do the tied sums, which are posted there in turn (a wait later
-    would have to post them later, where another stage may already wait for them).
-
-    With sharded state, see the module docstring: :meth:`advance` (at each backward) and :meth:`settle` (at each
-    forward) step an update early, and :meth:`complete` waits for its all-gather.
+    """Turns each step's gradient into the next weight version by executing the update's plan
+    (:class:`~lightning_async_pp.schedule.UpdatePlan`, built from the settings below; see the module docstring).
 
     Args:
         optimizer: Optimizer over exactly the stage's trainable parameters.
         weights: The stage's weight versions (their ``params`` are the optimizer's).
-        kind: ``"2bw"`` or ``"1f1b"``: which version a step's gradient was computed on.
+        kind: The schedule's name: which version a step's gradient was computed on, where an update settles.
         num_stages: Number of stages (one stage clips without communication).
         device: The stage's device.
         clip_grad_norm: Clip the gradient of each step to this global norm (across all stages).
@@ -169,6 +162,7 @@ class UpdateDriver:
             (and the tied ones) only. Only for an optimizer whose update of a parameter reads nothing but that
             parameter's gradient and state: the caller checks (the strategy with
             :func:`~lightning_async_pp.optim.updates_per_parameter`).
+        stage: This stage (which ties it holds; with ties, the stage ``ties`` was built for).
     """
 
     def __init__(
@@ -184,10 +178,13 @@ class UpdateDriver:
         before_update: Callable[[], None] | None = None,
         ties: TiedGradients | None = None,
         shard: bool = False,
+        stage: int = 0,
     ) -> None:
+        if ties is not None and ties.stage != stage:
+            raise ValueError(f"The tied gradients are stage {ties.stage}'s, the update is stage {stage}'s.")
         self.optimizer, self.weights = optimizer, weights
         self.params: dict[str, nn.Parameter] = weights.params
-        self.kind, self.num_stages, self.device = kind, num_stages, device
+        self.kind, self.num_stages, self.device, self.stage = kind, num_stages, device, stage
         self.clip_grad_norm, self.norm_group, self.data_group = clip_grad_norm, norm_group, data_group
         self.before_update, self.ties = before_update, ties
         self.replicas = ReplicaAverage(data_group) if data_group is not None and not shard else None
@@ -199,9 +196,16 @@ class UpdateDriver:
         if shard and data_group is not None:
             self.shards = self._shard(data_group)
             self.stepped = self.shards.owned
-        self._settle_at = updates_settled_by(kind, num_stages) if self.shards is not None else None
-        self.defer_average = before_update is None and clip_grad_norm is None and ties is None
-        """Whether the average over replicas stays in flight after ``UPDATE``."""
+        self.plan = UpdatePlan(
+            num_stages,
+            replicas=dist.get_world_size(data_group) if data_group is not None else 1,
+            clip=clip_grad_norm is not None,
+            ties=ties.holders if ties is not None else (),
+            shard=self.shards is not None,
+            hook=before_update is not None,
+        )
+        """What each update posts and waits for where: the entries this driver executes."""
+        self._settle_at = updates_settled_by(kind, num_stages)
         self.hyperparameters = StepHyperparameters(optimizer)
         self.pending: list[PendingUpdate] = []
         self.log: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=1024)
@@ -220,68 +224,100 @@ class UpdateDriver:
         return shards
 
     def start(self, step: int) -> None:
-        """Take step ``step``'s gradient off its buffer; apply now, or once what it waits for has arrived."""
+        """``UPDATE(step)``: take step ``step``'s gradient off its buffer and run the plan's ``"update"`` entries
+        (first completing the pending updates whose buffers they reuse); apply at once if nothing is left."""
         grads = self.weights.take_gradients(weight_version(self.kind, step))
-        pending = PendingUpdate(step, grads)
-        if self.shards is not None:
-            # The flat buffers are reused: the previous update's all-gather, which may still be in flight, lands
-            # first. That update was stepped already (at a backward, or settled at a forward of this step), so
-            # this waits for the replicas alone.
+        entries = self.plan.entries(self.stage)
+        if self.plan.completes_at_update:
             self.complete(up_to_version=step)
-            if self.defer_average:
-                pending.grads, pending.reduce = {}, self.shards.reduce(grads)
-                self.pending.append(pending)
-                return
-            reduce = self.shards.reduce(grads)
-            tied = {name: grads[name] for name in self._tied}
-            if tied:
-                self.replicas.start(tied, views=False)()
-            pending.grads = grads = {**reduce(), **tied}
-        elif self.replicas is not None:
-            if self.defer_average:
-                # The buckets still hold an earlier step's gradient where its version was not needed yet
-                # (2BW's last stage): apply it first, on its own buffer, which no micro-batch uses any more.
-                self.complete(up_to_version=step)
-                pending.average = self.replicas.start(grads)
-                self.pending.append(pending)
-                return
-            self.replicas.start(grads, views=False)()
-        if self.before_update is not None:
-            self._call_before_update(grads)
-        if self.clip_grad_norm is not None:
-            self._start_norm(pending)
-            self.pending.append(pending)
-        elif self.ties is not None:
-            pending.finish = self.ties.start(grads)
-            self.pending.append(pending)
-        elif self.shards is not None:
-            pending.reduce = lambda: grads  # stepped at the next backward, as without the hook
+        pending = PendingUpdate(step, grads, {point: list(entries[point]) for point in POINTS[1:]})
+        self._run(pending, entries["update"])
+        if any(pending.later.values()):
             self.pending.append(pending)
         else:
             self.apply(pending)
 
     def settle(self, step: int, microbatch: int) -> None:
-        """Sharded state with clipping or ties: at the forward of micro-batch
-        :func:`~lightning_async_pp.schedule.updates_settled_by` of step ``step``, every stage has posted what the
-        update of step ``step - 1`` exchanges over the pipeline (its norm, its tied sums): wait for it, step the
-        owned tensors and post the all-gather, which then overlaps the rest of the step."""
+        """At the forward of micro-batch :func:`~lightning_async_pp.schedule.updates_settled_by` of step
+        ``step``, every stage has posted what the update of step ``step - 1`` exchanges over the pipeline (its
+        norm, its tied sums): run that update's ``"settle"`` entries (with sharded state: wait for those, step the
+        owned tensors and post the all-gather, which then overlaps the rest of the step)."""
         if microbatch != self._settle_at:
             return
         for pending in self.pending:
-            if pending.step == step - 1 and pending.gather is None and pending.reduce is None:
-                self._collect(pending)
-                self._step(pending)
+            if pending.step == step - 1:
+                self._run_point(pending, "settle")
 
     def advance(self) -> None:
-        """Step on the owned gradients whose reduce-scatter was posted at an earlier action (or waited for at
-        once, for a hook), and post their all-gather (sharded state without clipping or ties; called at each
-        backward)."""
+        """After each backward: run the pending updates' ``"backward"`` entries (with sharded state and nothing
+        to exchange over the pipeline: wait for the reduce-scatter, step, post the all-gather)."""
         for pending in self.pending:
-            if pending.reduce is not None:
-                pending.grads, pending.reduce = pending.reduce(), None
-                self._step(pending)
+            self._run_point(pending, "backward")
 
-    def _start_norm(self, pending: PendingUpdate) -> None:
+    def complete(self, up_to_version: int | None) -> None:
+        """Apply pending updates that produce a version ``<= up_to_version`` (all if ``None``)."""
+        while self.pending and (up_to_version is None or self.pending[0].step + 1 <= up_to_version):
+            self.apply(self.pending.pop(0))
+
+    def apply(self, pending: PendingUpdate) -> None:
+        """Write version ``pending.step + 1``: run what is left of its plan, earlier points first (the optimizer
+        step among it, unless that ran already), and make it the newest version."""
+        for point in POINTS[1:]:
+            self._run_point(pending, point)
+        self._publish(pending)
+
+    def _run_point(self, pending: PendingUpdate, point: str) -> None:
+        entries, pending.later[point] = pending.later[point], []
+        self._run(pending, entries)
+
+    def _run(self, pending: PendingUpdate, entries: Iterable[PlanEntry]) -> None:
+        for entry in entries:
+            self.OPERATIONS[entry.action, entry.name](self, pending, entry.index)
+
+    # --- the plan's entries, each one operation
+
+    def _post_average(self, pending: PendingUpdate, index: int) -> None:
+        # Where the average stays in flight, the gradient may live in the buckets: the next UPDATE, which
+        # reuses them, completes this update first. Waited for at once, it is copied back.
+        views = PlanEntry("wait", "average") in (entry for entries in pending.later.values() for entry in entries)
+        pending.posted["average", 0] = self.replicas.start(pending.grads, views=views)
+
+    def _post_tied_average(self, pending: PendingUpdate, index: int) -> None:
+        pending.posted["tied average", 0] = self.replicas.start(pending.grads, views=False)  # the tied ones
+
+    def _post_reduce_scatter(self, pending: PendingUpdate, index: int) -> None:
+        pending.posted["reduce-scatter", 0] = self.shards.reduce(pending.grads)
+        # Only the tied gradients are needed besides the owned ones (summed over the stages by every replica).
+        pending.grads = {name: pending.grads[name] for name in self._tied}
+
+    def _wait_reduce_scatter(self, pending: PendingUpdate, index: int) -> None:
+        pending.grads = {**pending.posted.pop(("reduce-scatter", 0))(), **pending.grads}
+
+    def _post_all_gather(self, pending: PendingUpdate, index: int) -> None:
+        pending.posted["all-gather", 0] = self.shards.gather(self.weights.of(pending.step + 1))
+
+    def _post_tie(self, pending: PendingUpdate, index: int) -> None:
+        widen = self.clip_grad_norm is not None  # the norm adds the sum's squared norm in float32
+        pending.posted["tie", index] = self.ties.post_sum(index, pending.grads, widen)
+
+    def _wait_tie(self, pending: PendingUpdate, index: int) -> None:
+        self.ties.wait_sum(pending.posted["tie", index])  # kept: the norm reads the lowest holder's sums
+
+    def _post_norm(self, pending: PendingUpdate, index: int) -> None:
+        if self.ties is None:
+            pending.posted["norm", 0] = dist.all_reduce(pending.norm_sq, group=self.norm_group, async_op=True)
+            return
+        sums = {i: posted for (name, i), posted in pending.posted.items() if name == "tie"}
+        pending.posted["norm", 0] = self.ties.post_norm(pending.norm_sq, sums, self.norm_group)
+
+    def _wait_norm(self, pending: PendingUpdate, index: int) -> None:
+        posted = pending.posted.pop(("norm", 0))
+        if self.ties is None:
+            posted.wait()
+        else:
+            pending.norm_sq = self.ties.wait_norm(*posted)
+
+    def _local_norm(self, pending: PendingUpdate, index: int) -> None:
         # A tied parameter's norm is that of its summed gradient, counted once (added by `ties`).
         tied = self.ties.local_names if self.ties is not None else set()
         # In float32 whatever the gradients' dtype, as `torch.linalg.vector_norm(g.float())` per gradient: a
@@ -291,24 +327,31 @@ class UpdateDriver:
         untied = [pending.grads[n] for n in mine]
         untied = [g if g.dtype in _NORM_INPUTS else g.float() for g in untied]
         norms = torch.stack(torch._foreach_norm(untied, dtype=torch.float32)) if untied else None
-        if self.shards is not None:
-            # Each replica holds its own tensors' norms: the others' come as exact sums with zeros, so the stage's
-            # norm is summed in the same order and to the same bits as without sharding.
-            every = torch.zeros(len(names), dtype=torch.float32, device=self.device)
-            if norms is not None:
-                if self._norm_slots is None:  # made once: a tensor from host data is a host-to-device copy
-                    self._norm_slots = torch.tensor([names.index(n) for n in mine], device=self.device)
-                every.index_copy_(0, self._norm_slots, norms)
-            dist.all_reduce(every, group=self.data_group)
-            norms = every if names else None
-        local = norms.pow(2).sum() if norms is not None else torch.zeros((), device=self.device)
-        pending.norm_sq = local.reshape(1)
-        if self.ties is not None:
-            pending.finish = self.ties.start(pending.grads, pending.norm_sq, self.norm_group)
-        elif self.num_stages > 1:
-            pending.work = dist.all_reduce(pending.norm_sq, group=self.norm_group, async_op=True)
+        if self.shards is None:
+            pending.norm_sq = self._squared_sum(norms)
+            return
+        # Each replica holds its own tensors' norms: the others' come as exact sums with zeros, so the stage's
+        # norm is summed in the same order and to the same bits as without sharding.
+        pending.norms = torch.zeros(len(names), dtype=torch.float32, device=self.device)
+        if norms is not None:
+            if self._norm_slots is None:  # made once: a tensor from host data is a host-to-device copy
+                self._norm_slots = torch.tensor([names.index(n) for n in mine], device=self.device)
+            pending.norms.index_copy_(0, self._norm_slots, norms)
 
-    def _call_before_update(self, grads: dict[str, Tensor]) -> None:
+    def _post_norms(self, pending: PendingUpdate, index: int) -> None:
+        pending.posted["norms", 0] = dist.all_reduce(pending.norms, group=self.data_group, async_op=True)
+
+    def _wait_norms(self, pending: PendingUpdate, index: int) -> None:
+        pending.posted.pop(("norms", 0)).wait()
+        norms, pending.norms = pending.norms, None
+        pending.norm_sq = self._squared_sum(norms if norms.numel() else None)
+
+    def _squared_sum(self, norms: Tensor | None) -> Tensor:
+        local = norms.pow(2).sum() if norms is not None else torch.zeros((), device=self.device)
+        return local.reshape(1)
+
+    def _hook(self, pending: PendingUpdate, index: int) -> None:
+        grads = pending.grads
         for name, param in self.params.items():
             param.grad = grads.get(name)
         self.before_update()
@@ -317,42 +360,9 @@ class UpdateDriver:
                 grads[name] = param.grad
             param.grad = None
 
-    def complete(self, up_to_version: int | None) -> None:
-        """Apply pending updates that produce a version ``<= up_to_version`` (all if ``None``)."""
-        while self.pending and (up_to_version is None or self.pending[0].step + 1 <= up_to_version):
-            pending = self.pending.pop(0)
-            self._collect(pending)
-            self.apply(pending)
-
-    def _collect(self, pending: PendingUpdate) -> None:
-        """Wait for what ``pending`` still waits for: the average (or reduce-scatter), the norm, the tied sums."""
-        if pending.average is not None:
-            pending.average, average = None, pending.average
-            average()
-        if pending.reduce is not None:
-            pending.grads, pending.reduce = pending.reduce(), None
-        if pending.work is not None:
-            pending.work, work = None, pending.work
-            work.wait()
-        if pending.finish is not None:
-            pending.finish, finish = None, pending.finish
-            norm_sq = finish()
-            if norm_sq is not None:
-                pending.norm_sq = norm_sq
-
-    def apply(self, pending: PendingUpdate) -> None:
-        """Write version ``pending.step + 1``: step the optimizer on the (clipped) gradient, unless that was done
-        earlier (sharded state: then its all-gather is in flight), and make it the newest version."""
-        if pending.gather is None:
-            self._step(pending)
-        if pending.gather is not None:
-            pending.gather()
-        self._publish(pending)
-
     @torch.no_grad()
-    def _step(self, pending: PendingUpdate) -> None:
-        """Step the optimizer on the (clipped) gradient into version ``pending.step + 1``'s buffer; with sharded
-        state, post the all-gather of the owned tensors."""
+    def _step(self, pending: PendingUpdate, index: int) -> None:
+        """Step the optimizer on the (clipped) gradient into version ``pending.step + 1``'s buffer."""
         step = pending.step
         scale = None
         if pending.norm_sq is not None:
@@ -372,8 +382,28 @@ class UpdateDriver:
         for name in self.stepped:
             self.params[name].grad = None
         pending.grads = {}
-        if self.shards is not None:
-            pending.gather = self.shards.gather(self.weights.of(step + 1))
+
+    OPERATIONS: ClassVar[dict[tuple[str, str], Callable[[UpdateDriver, PendingUpdate, int], None]]] = {
+        ("post", "average"): _post_average,
+        ("wait", "average"): _wait_for("average"),
+        ("post", "reduce-scatter"): _post_reduce_scatter,
+        ("wait", "reduce-scatter"): _wait_reduce_scatter,
+        ("post", "all-gather"): _post_all_gather,
+        ("wait", "all-gather"): _wait_for("all-gather"),
+        ("post", "tied average"): _post_tied_average,
+        ("wait", "tied average"): _wait_for("tied average"),
+        ("post", "norms"): _post_norms,
+        ("wait", "norms"): _wait_norms,
+        ("post", "tie"): _post_tie,
+        ("wait", "tie"): _wait_tie,
+        ("post", "norm"): _post_norm,
+        ("wait", "norm"): _wait_norm,
+        ("run", "hook"): _hook,
+        ("run", "local norm"): _local_norm,
+        ("run", "step"): _step,
+    }
+    """The runtime's operation for each kind of the plan's entries, called with the update and the entry's
+    index (a tie's)."""
 
     def version_lag(self) -> int:
         """How many versions the newest update's gradient was behind the version it produced, less one."""

@@ -4,7 +4,9 @@ The action IR (:mod:`~lightning_async_pp.schedule.ir`: :class:`Op`, :class:`Acti
 :class:`PipelineSchedule`, what each kind answers, and the registry of kinds), the built-in kinds
 (:mod:`~lightning_async_pp.schedule.kinds`: "2bw" and "1f1b", registered on import), their generation
 (:mod:`~lightning_async_pp.schedule.generate`), verification (:mod:`~lightning_async_pp.schedule.verify`), the
-ordering of transfers under NCCL's semantics (:mod:`~lightning_async_pp.schedule.transfers`), timing
+ordering of transfers under NCCL's semantics (:mod:`~lightning_async_pp.schedule.transfers`), the plan of an
+update's collectives (:mod:`~lightning_async_pp.schedule.update_plan`), which the runtime executes and that
+ordering model checks, timing
 (:mod:`~lightning_async_pp.schedule.simulate`) and layer partitioning (:mod:`~lightning_async_pp.schedule.partition`).
 """
 
@@ -34,27 +36,29 @@ from lightning_async_pp.schedule.ir import (
 from lightning_async_pp.schedule.kinds import SCHEDULES, Schedule1F1B, Schedule2BW
 from lightning_async_pp.schedule.transfers import (
     FLUSH,
-    Collectives,
     PostingPlan,
     check_transfers,
     host_program,
     posting_plan,
 )
+from lightning_async_pp.schedule.update_plan import POINTS, PlanEntry, UpdatePlan
 from lightning_async_pp.schedule.verify import check, liveness_trace
 
 __all__ = [
     "FLUSH",
+    "POINTS",
     "SCHEDULES",
     "STAGES_PER_PROCESS",
     "Action",
-    "Collectives",
     "Op",
     "PipelineSchedule",
+    "PlanEntry",
     "PostingPlan",
     "Schedule",
     "Schedule1F1B",
     "Schedule2BW",
     "StageFootprint",
+    "UpdatePlan",
     "build_schedule",
     "check",
     "check_transfers",

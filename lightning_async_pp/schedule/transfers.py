@@ -5,13 +5,14 @@ receives of one segment of actions (the sends are posted at their action), :func
 out what one stage's host then does, segment after segment, and :func:`check_transfers` runs the
 stages' programs against each other under a model of NCCL's queues to show they cannot deadlock.
 
-Besides its transfers, a stage's ``UPDATE`` may post collectives (:class:`Collectives`): the all-reduce of
-the gradient over the stage's replicas, the tied gradients' and the clipping norm's all-reduces, which stay
-pending across segments until the weight version they produce is first needed. With the optimizer state
-sharded over the replicas (``Collectives.shard``), the all-reduce over the replicas becomes a reduce-scatter
-and an all-gather, the latter posted at the stage's next backward (or where the version is needed). The
-model checks those too, each on its own communicator (its own queue), or with every operation of a stage on
-one queue, as ``CUDA_DEVICE_MAX_CONNECTIONS=1`` serialises a device's streams (``one_queue``).
+Besides its transfers, a stage's ``UPDATE`` may post collectives: the all-reduce of the gradient over the
+stage's replicas (or, with the optimizer state sharded, a reduce-scatter and an all-gather), the tied
+gradients' and the clipping norm's all-reduces, which stay pending across segments until the weight version
+they produce is first needed. Where each is posted and waited for is the update's plan
+(:class:`~lightning_async_pp.schedule.update_plan.UpdatePlan`), the one the runtime executes;
+:func:`host_program` reads it. The model checks those collectives too, each on its own
+communicator (its own queue), or with every operation of a stage on one queue, as
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` serialises a device's streams (``one_queue``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_async_pp.schedule.ir import Action, Op
+from lightning_async_pp.schedule.update_plan import POINTS, PlanEntry, UpdatePlan
 
-__all__ = ["FLUSH", "Collectives", "PostingPlan", "check_transfers", "host_program", "posting_plan"]
+__all__ = ["FLUSH", "PostingPlan", "check_transfers", "host_program", "posting_plan"]
 
 _PREV_LINK = (Op.RECV_F, Op.SEND_B)  # operations on the link with stage - 1
 _NEXT_LINK = (Op.SEND_F, Op.RECV_B)  # operations on the link with stage + 1
@@ -82,153 +84,44 @@ def posting_plan(actions: Sequence[Action], eager: bool = False) -> PostingPlan:
 # upper rank), message (direction "F"/"B", step, micro-batch). A collective: role "C", group (communicator
 # name, its ranks), message (name, step, index); every participant posts the same tuple.
 _TransferOp = tuple[str, tuple, tuple[str, int, int]]
-# What an UPDATE left for later: (version produced, where its early items go: the next backward (None) or the
-# forward of a (step, micro-batch), those items, the items where the version is needed).
-_Pending = tuple[int, tuple[int, int] | None, list[tuple], list[tuple]]
 
 FLUSH = "flush"
 """An item of :func:`host_program`'s segments: the stage waits for every pending collective, as
 :meth:`StageRuntime.drain <lightning_async_pp.runtime.stage.StageRuntime.drain>` does after its actions."""
 
 
-@dataclass(frozen=True)
-class Collectives:
-    """The collectives a stage's ``UPDATE`` posts besides its transfers (``runtime.updates.UpdateDriver``).
+@dataclass
+class _Pending:
+    """What an ``UPDATE`` left for later: the version it produces, the forward (step, micro-batch) where it
+    settles, and the model's items at each later point of its plan."""
 
-    In the model, stage ``s`` of replica ``r`` is rank ``r * num_stages + s``. An all-reduce posted at an
-    ``UPDATE`` and left pending is waited for when the version the update produces is first needed (a forward
-    on it) or the pipeline drains (:data:`FLUSH`).
+    version: int
+    settles_at: tuple[int, int]
+    items: dict[str, list[tuple]]
 
-    With ``shard``, the replicas' all-reduce is a reduce-scatter (``RS``) and an all-gather (``AG``) on the same
-    communicator of the stage's replicas ("data"), which also carries, in posting order, the tied gradients'
-    average and the per-tensor norms. ``UPDATE(t)`` first completes every pending update of a version ``<= t``
-    (the flat buffers are reused; by then that update has been stepped, so this waits for its ``AG``). Without
-    clipping or ties it then posts ``RS(t)``; the stage's next backward waits for it and posts ``AG(t)``
-    (:meth:`at_backward`), which is waited for where version ``t + 1`` is first needed (after waiting for
-    ``RS(t)`` and posting ``AG(t)`` there if no backward came first). With clipping or ties, ``UPDATE(t)`` posts
-    ``RS(t)``, posts and waits for the tied gradients' average, waits for ``RS(t)``, posts and waits for the
-    per-tensor norms (clipping), then posts the ties' and the norm's all-reduces as without sharding; the
-    forward of micro-batch ``P - 1`` of step ``t + 1`` waits for those, steps and posts ``AG(t)``
-    (:meth:`at_settle`), which is waited for where the version is needed (1F1B: all of it there). With a
-    ``before_update`` hook alone, ``UPDATE(t)`` posts ``RS(t)`` and waits for it at once (the hook needs the
-    gradient); the next backward posts ``AG(t)``.
 
-    Args:
-        num_stages: Stages per pipeline.
-        replicas: Data-parallel replicas. With more than one, each update all-reduces the gradient over the
-            stage's replicas. Alone, that all-reduce stays pending (until its version is needed, or the next
-            ``UPDATE``, which reuses its buffers); with clipping or ties the stage's compute waits for it at once.
-        clip: Gradient clipping: each update posts one all-reduce of scalars over its pipeline's stages (the
-            squared norms). A stage that is the lowest holder of a tie adds the squared norm of the tie's
-            summed gradient, so it waits for the tie's sum first: stage 0 where the version is needed (it
-            posts the norm there), a later stage at once.
-        ties: Per tied parameter, the stages holding a copy. A holder's update posts one all-reduce per tie over
-            its replica's holders (a communicator per tie), pending.
-        deferred: ``False``: wait for those all-reduces right after posting them (a synchronous clipping;
-            with ``shard``, stepping and all-gathering at ``UPDATE``), to test the model.
-        shard: The optimizer state is sharded over the replicas (``UpdateDriver(shard=True)``; only with
-            ``replicas > 1``).
-        hook: A ``before_update`` hook, which needs the replicas' average at ``UPDATE``.
-    """
+def _collective(plan: UpdatePlan, stage: int, replica: int, step: int, entry: PlanEntry) -> _TransferOp:
+    """The model's operation for a collective of ``plan``: stage ``s`` of replica ``r`` is rank
+    ``r * num_stages + s``; a tie and the norm have a communicator each over the replica's stages, every other
+    collective runs on the communicator of the stage's replicas ("data"), in posting order."""
+    base = replica * plan.num_stages
+    if entry.name == "tie":
+        holders = tuple(base + s for s in plan.ties[entry.index])
+        return ("C", (f"tie {entry.index}", holders), ("tie", step, entry.index))
+    if entry.name == "norm":
+        return ("C", ("norm", tuple(base + s for s in range(plan.num_stages))), ("norm", step, 0))
+    return ("C", ("data", tuple(r * plan.num_stages + stage for r in range(plan.replicas))), (entry.name, step, 0))
 
-    num_stages: int
-    replicas: int = 1
-    clip: bool = False
-    ties: tuple[tuple[int, ...], ...] = ()
-    deferred: bool = True
-    shard: bool = False
-    hook: bool = False
 
-    @property
-    def average_pending(self) -> bool:
-        """Whether the replicas' all-reduce (or reduce-scatter) stays pending after ``UPDATE`` (and is waited at
-        the next at the latest)."""
-        return self.completes_at_update and not self.hook
-
-    @property
-    def completes_at_update(self) -> bool:
-        """Whether ``UPDATE`` first completes the pending updates of versions up to its step (which reuse the
-        replicas' buffers; with a hook alone, without sharding, nothing is pending there)."""
-        return self.replicas > 1 and (self.sharded or (not self.clip and not self.ties))
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether the sharded update needs the stage's replicas alone (no clipping, no ties): it is stepped at
-        the stage's next backward (:meth:`at_backward`), otherwise where it settles (:meth:`at_settle`)."""
-        return self.sharded and not self.clip and not self.ties
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the optimizer state is split over several replicas."""
-        return self.shard and self.replicas > 1
-
-    def _data(self, stage: int, name: str, step: int) -> tuple:
-        """An operation on the communicator of ``stage``'s replicas."""
-        return ("C", ("data", tuple(r * self.num_stages + stage for r in range(self.replicas))), (name, step, 0))
-
-    def at_update(self, stage: int, step: int, replica: int) -> tuple[list[tuple], list[tuple]]:
-        """What ``UPDATE(step)`` of ``stage`` does: the items of :func:`host_program` at the update, and those
-        left for where the version it produces is first needed (``("post", op)`` or ``("wait", op)`` each)."""
-        now, settle, later = self._plan(stage, step, replica)
-        if not self.deferred:
-            return now + self.at_backward(stage, step, replica, deferred=True) + settle + later, []
-        return now, later
-
-    def at_settle(self, stage: int, step: int, replica: int) -> list[tuple]:
-        """What the forward of micro-batch ``num_stages - 1`` of step ``step + 1`` does for ``UPDATE(step)``
-        (``UpdateDriver.settle``, :func:`~lightning_async_pp.schedule.updates_settled_by`): with sharded state
-        and clipping or ties, wait for the tied sums and the norm, step, and post the all-gather. Where the
-        version is needed first (1F1B), these items come first there."""
-        return self._plan(stage, step, replica)[1] if self.deferred else []
-
-    def _plan(self, stage: int, step: int, replica: int) -> tuple[list[tuple], list[tuple], list[tuple]]:
-        base = replica * self.num_stages
-        now: list[tuple] = []
-        later: list[tuple] = []
-        owned = [index for index, holders in enumerate(self.ties) if stage in holders]
-        if self.sharded:
-            scatter, gather = self._data(stage, "reduce-scatter", step), self._data(stage, "all-gather", step)
-            now.append(("post", scatter))
-            if self.in_flight:
-                # Waited for at the next backward (`at_backward`, at once with a hook), which posts the all-gather.
-                now += [("wait", scatter)] if self.hook else []
-                later.append(("wait", gather))
-            else:
-                if owned:
-                    tied = self._data(stage, "tied average", step)
-                    now += [("post", tied), ("wait", tied)]
-                now.append(("wait", scatter))
-                if self.clip:
-                    norms = self._data(stage, "norms", step)
-                    now += [("post", norms), ("wait", norms)]
-        elif self.replicas > 1:
-            data = self._data(stage, "data", step)
-            now.append(("post", data))
-            (later if self.average_pending else now).append(("wait", data))
-        tie = {i: ("C", (f"tie {i}", tuple(base + s for s in self.ties[i])), ("tie", step, i)) for i in owned}
-        now += [("post", tie[i]) for i in owned]
-        if not self.clip:
-            later += [("wait", tie[i]) for i in owned]
-        elif self.num_stages > 1:
-            norm = ("C", ("norm", tuple(base + s for s in range(self.num_stages))), ("norm", step, 0))
-            lowest = [i for i in owned if min(self.ties[i]) == stage]
-            chain = [("wait", tie[i]) for i in lowest] + [("post", norm)]
-            (later if lowest and stage == 0 else now).extend(chain)
-            later += [("wait", tie[i]) for i in owned if i not in lowest] + [("wait", norm)]
-        if self.sharded and not self.in_flight:
-            # The owner steps once the sums and the norm are in (where the update settles); the all-gather
-            # overlaps the rest of the step.
-            return now, later + [("post", gather)], [("wait", gather)]
-        return now, [], later
-
-    def at_backward(self, stage: int, step: int, replica: int, deferred: bool | None = None) -> list[tuple]:
-        """What the stage's first backward after ``UPDATE(step)`` does for it (``UpdateDriver.advance``): with
-        sharded state in flight, wait for the reduce-scatter, step, and post the all-gather. Where the version is
-        needed before any backward came, these items come first there."""
-        if not self.in_flight or not (self.deferred if deferred is None else deferred):
-            return []
-        wait = [] if self.hook else [("wait", self._data(stage, "reduce-scatter", step))]
-        return [*wait, ("post", self._data(stage, "all-gather", step))]
+def _plan_items(plan: UpdatePlan, stage: int, replica: int, step: int, entries: Iterable[PlanEntry]) -> list[tuple]:
+    """The model's items for ``entries`` of ``UPDATE(step)`` (a post is a batch of one; local work is left out:
+    it orders nothing the model sees)."""
+    items: list[tuple] = []
+    for entry in entries:
+        if entry.action != "run":
+            op = _collective(plan, stage, replica, step, entry)
+            items.append(("post", (op,)) if entry.action == "post" else ("wait", op))
+    return items
 
 
 def _transfer_op(a: Action, role: str | None = None, offset: int = 0) -> _TransferOp:
@@ -244,27 +137,28 @@ def _transfer_op(a: Action, role: str | None = None, offset: int = 0) -> _Transf
 def host_program(
     segments: Iterable[Sequence[Action] | str],
     eager: bool = False,
-    collectives: Collectives | None = None,
+    updates: UpdatePlan | None = None,
     replica: int = 0,
 ) -> list[tuple]:
     """What one stage's host does with transfers, segment after segment, under :func:`posting_plan`.
 
     Items are ``("post", ops)`` (one :func:`torch.distributed.batch_isend_irecv` call, or one collective) and
-    ``("wait", op)`` (waiting for a receive or a collective before the compute that needs it). What an
-    ``UPDATE`` leaves pending is done where its version is first needed (a forward on it; the next ``UPDATE``
-    when :attr:`Collectives.completes_at_update`) or at :data:`FLUSH`; what :meth:`Collectives.at_backward`
-    gives at the stage's next backward and what :meth:`Collectives.at_settle` gives at the forward of
-    micro-batch ``P - 1`` of the next step, if those come first. A wait on NCCL
+    ``("wait", op)`` (waiting for a receive or a collective before the compute that needs it). An ``UPDATE``
+    runs its plan's entries (:class:`~lightning_async_pp.schedule.update_plan.UpdatePlan`) as the runtime does:
+    its ``"update"`` entries there, its ``"backward"`` ones at the stage's next backward, its ``"settle"`` ones
+    at the forward of micro-batch ``P - 1`` of the next step, and what is left where its version is first needed
+    (a forward on it; the next ``UPDATE`` when :attr:`UpdatePlan.completes_at_update`) or at :data:`FLUSH`,
+    earlier points first. A wait on NCCL
     does not block the host but orders the compute stream behind the operation, and every later send or
     receive is ordered behind that compute, so blocking the host at the wait models the same dependencies.
 
     Args:
         segments: the segments of one stage, in the order it executes them; :data:`FLUSH` where it drains.
         eager: use the eager plan (see :func:`posting_plan`).
-        collectives: what each ``UPDATE`` posts besides transfers (``None``: nothing).
+        updates: the plan of each ``UPDATE``'s collectives (``None``: none).
         replica: the stage's replica (its rank in the model is ``replica * num_stages + stage``).
     """
-    offset = replica * collectives.num_stages if collectives is not None else 0
+    offset = replica * updates.num_stages if updates is not None else 0
     items: list[tuple] = []
     pending: list[_Pending] = []
     for actions in segments:
@@ -285,7 +179,7 @@ def host_program(
         for op in sorted(plan.start):
             items.append(("post", tuple(next_receive(op))))
         for k, a in enumerate(actions):
-            items += _collectives_at(a, pending, collectives, replica)
+            items += _collectives_at(a, pending, updates, replica)
             if not a.is_comm:
                 continue
             receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
@@ -308,56 +202,44 @@ def host_program(
     return items + _release(pending, None)
 
 
-def _collectives_at(
-    a: Action,
-    pending: list[_Pending],
-    collectives: Collectives | None,
-    replica: int,
-) -> list[tuple]:
+def _collectives_at(a: Action, pending: list[_Pending], plan: UpdatePlan | None, replica: int) -> list[tuple]:
     """What action ``a`` does with the collectives of the updates: release what waited for it, and for an
-    ``UPDATE`` post its own (leaving the rest in ``pending``)."""
-    items = _early(pending, (a.step, a.microbatch)) if a.op is Op.FORWARD else []
+    ``UPDATE`` run its plan's ``"update"`` entries (leaving the rest in ``pending``)."""
+    items = _early(pending, "settle", (a.step, a.microbatch)) if a.op is Op.FORWARD else []
     needed = None
-    if a.op is Op.UPDATE and collectives is not None and collectives.completes_at_update:
+    if a.op is Op.UPDATE and plan is not None and plan.completes_at_update:
         needed = a.version - 1
     elif a.op is Op.FORWARD:
         needed = a.version
     if needed is not None:
         items += _release(pending, needed)
-    if a.op is Op.UPDATE and collectives is not None:
-        now, later = collectives.at_update(a.stage, a.step, replica)
-        advance = collectives.at_backward(a.stage, a.step, replica)
-        settle = collectives.at_settle(a.stage, a.step, replica)
-        at = (a.step + 1, collectives.num_stages - 1) if settle else None
-        items += _items(now)
-        pending.append((a.version, at, _items(advance or settle), _items(later)))
+    if a.op is Op.UPDATE and plan is not None:
+        entries = plan.entries(a.stage)
+        items += _plan_items(plan, a.stage, replica, a.step, entries["update"])
+        later = {point: _plan_items(plan, a.stage, replica, a.step, entries[point]) for point in POINTS[1:]}
+        pending.append(_Pending(a.version, (a.step + 1, plan.num_stages - 1), later))
     if a.op is Op.BACKWARD:
-        items += _early(pending, None)
+        items += _early(pending, "backward")
     return items
 
 
-def _items(pairs: Iterable[tuple[str, _TransferOp]]) -> list[tuple]:
-    """:meth:`Collectives.at_update`'s pairs as :func:`host_program`'s items (a post is a batch of one)."""
-    return [(kind, (op,) if kind == "post" else op) for kind, op in pairs]
-
-
-def _early(pending: list[_Pending], at: tuple[int, int] | None) -> list[tuple]:
-    """The early items of the pending updates that go at ``at`` (a forward's (step, micro-batch); ``None``: a
-    backward), taken out of ``pending``."""
+def _early(pending: list[_Pending], point: str, at: tuple[int, int] | None = None) -> list[tuple]:
+    """The items of the pending updates at ``point`` (``"backward"``, or ``"settle"`` at the forward ``at``),
+    taken out of ``pending``."""
     items = []
-    for _, where, early, _ in pending:
-        if where == at:
-            items += early
-            early.clear()
+    for update in pending:
+        if point == "backward" or update.settles_at == at:
+            items += update.items[point]
+            update.items[point] = []
     return items
 
 
 def _release(pending: list[_Pending], needed: int | None) -> list[tuple]:
     """Remove the pending updates producing a version ``<= needed`` (all if ``None``) and return their items,
-    update after update, what the next backward would have done first."""
-    done = [entry for entry in pending if needed is None or entry[0] <= needed]
+    update after update, what their earlier points would have done first."""
+    done = [update for update in pending if needed is None or update.version <= needed]
     del pending[: len(done)]  # in order of the versions they produce
-    return [item for _, _, early, later in done for item in early + later]
+    return [item for update in done for point in POINTS[1:] for item in update.items[point]]
 
 
 def check_transfers(

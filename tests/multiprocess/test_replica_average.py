@@ -88,13 +88,15 @@ def _compare_drivers(rank: int, group, report: dict) -> None:
         params = dict(model.named_parameters())
         weights = WeightVersions(params, num_buffers=2)
         optimizer = torch.optim.AdamW(params.values(), lr=1e-2)
-        hook = None if deferred else lambda: None  # a hook needs the average at once: the blocking path
-        updates = UpdateDriver(optimizer, weights, "2bw", 1, torch.device("cpu"), data_group=group, before_update=hook)
-        if not deferred:
-            updates.replicas = None
-            updates.before_update = lambda: blocking_average({n: p.grad for n, p in params.items()}, group)
-        else:
+        if deferred:
+            updates = UpdateDriver(optimizer, weights, "2bw", 1, torch.device("cpu"), data_group=group)
             updates.replicas.bucket_bytes = 256
+        else:  # the blocking path: no replicas for the driver, the average in a hook
+
+            def hook() -> None:
+                blocking_average({n: p.grad for n, p in params.items()}, group)
+
+            updates = UpdateDriver(optimizer, weights, "2bw", 1, torch.device("cpu"), before_update=hook)
         return model, weights, updates
 
     runs = {deferred: driver(deferred) for deferred in (True, False)}

@@ -23,7 +23,8 @@ from lightning_async_pp.runtime.ties import Tie, TiedGradients
 from lightning_async_pp.schedule import (
     FLUSH,
     SCHEDULES,
-    Collectives,
+    PlanEntry,
+    UpdatePlan,
     check_transfers,
     drain_actions,
     evaluation_actions,
@@ -50,10 +51,12 @@ def segments(kind: str, P: int, M: int, stage: int, runs, evaluations: int = 2, 
 
 
 def programs(kind: str, P: int, M: int, eager: bool = False, runs=(*RUNS, RESUMED), collectives=None, sync=False):
-    replicas = collectives.replicas if collectives is not None else 1
+    """Every rank's program; ``collectives``: the update's plan, or one per replica."""
+    plans = [collectives] if not isinstance(collectives, (list, tuple)) else list(collectives)
+    plans *= (plans[0].replicas if plans[0] is not None else 1) // len(plans)
     return [
-        host_program(segments(kind, P, M, s, runs, sync_each_step=sync), eager, collectives, replica)
-        for replica in range(replicas)
+        host_program(segments(kind, P, M, s, runs, sync_each_step=sync), eager, plan, replica)
+        for replica, plan in enumerate(plans)
         for s in range(P)
     ]
 
@@ -101,19 +104,19 @@ def test_model_catches_crossed_sends():
     check_transfers([batched_a, batched_b], rendezvous=True)  # batching is the fix
 
 
-def pending_collectives(P: int) -> dict[str, Collectives]:
+def pending_collectives(P: int) -> dict[str, UpdatePlan]:
     """The runtime's configurations whose all-reduces stay pending across segments."""
     # A tie whose lowest holder is not stage 0 makes that holder wait for the tie's sum at its update.
     middle = ((1, P - 1),) if P > 2 else ()
     return {
-        "clipping": Collectives(P, clip=True),
-        "ties": Collectives(P, ties=((0, P - 1), (0, 1))),
-        "ties, clipping": Collectives(P, clip=True, ties=((0, P - 1), (0, 1), *middle)),
-        "middle tie, clipping": Collectives(P, clip=True, ties=middle or ((0, 1),)),
-        "replicas": Collectives(P, replicas=2),
-        "replicas, clipping": Collectives(P, replicas=2, clip=True),
-        "replicas, ties": Collectives(P, replicas=2, ties=((0, P - 1),)),
-        "replicas, ties, clipping": Collectives(P, replicas=2, clip=True, ties=((0, P - 1), *middle)),
+        "clipping": UpdatePlan(P, clip=True),
+        "ties": UpdatePlan(P, ties=((0, P - 1), (0, 1))),
+        "ties, clipping": UpdatePlan(P, clip=True, ties=((0, P - 1), (0, 1), *middle)),
+        "middle tie, clipping": UpdatePlan(P, clip=True, ties=middle or ((0, 1),)),
+        "replicas": UpdatePlan(P, replicas=2),
+        "replicas, clipping": UpdatePlan(P, replicas=2, clip=True),
+        "replicas, ties": UpdatePlan(P, replicas=2, ties=((0, P - 1),)),
+        "replicas, ties, clipping": UpdatePlan(P, replicas=2, clip=True, ties=((0, P - 1), *middle)),
     }
 
 
@@ -138,10 +141,10 @@ def test_waiting_for_a_pending_all_reduce_too_early_deadlocks_2bw(P):
     is pending (``torch.cuda.synchronize`` in a callback, ``torch.cuda.empty_cache``), and one hardware
     queue per device (``CUDA_DEVICE_MAX_CONNECTIONS=1``). 2BW's last stage updates before the first stage
     has sent it the next step's activations; 1F1B needs the new version at once, so waiting costs it nothing."""
-    clipping, ties = Collectives(P, clip=True), Collectives(P, ties=((0, P - 1),))
+    clipping, ties = UpdatePlan(P, clip=True), UpdatePlan(P, ties=((0, P - 1),))
     bad = {
-        "synchronous clipping": (programs("2bw", P, P, collectives=Collectives(P, clip=True, deferred=False)), {}),
-        "synchronous ties": (programs("2bw", P, P, collectives=Collectives(P, ties=((0, P - 1),), deferred=False)), {}),
+        "synchronous clipping": (programs("2bw", P, P, collectives=UpdatePlan(P, clip=True, deferred=False)), {}),
+        "synchronous ties": (programs("2bw", P, P, collectives=UpdatePlan(P, ties=((0, P - 1),), deferred=False)), {}),
         "synchronize after each step": (programs("2bw", P, P, collectives=clipping, sync=True), {}),
         "one hardware queue": (programs("2bw", P, P, collectives=ties), {"one_queue": True}),
     }
@@ -154,25 +157,24 @@ def test_waiting_for_a_pending_all_reduce_too_early_deadlocks_2bw(P):
             pytest.fail(f"the model found no deadlock with {name}")
         check_transfers(progs, rendezvous=False, **options)  # the rendezvous is what hangs: sends wait
     for options in (
-        {"collectives": Collectives(P, clip=True, deferred=False)},
+        {"collectives": UpdatePlan(P, clip=True, deferred=False)},
         {"collectives": clipping, "sync": True},
     ):
         check_transfers(programs("1f1b", P, P, **options), rendezvous=True)
 
 
 @dataclass(frozen=True)
-class NormPostedWhereNeeded(Collectives):
+class NormPostedWhereNeeded(UpdatePlan):
     """Clipping with ties where every lowest holder of a tie, not only stage 0, posts the norm only where its
     version is needed (after waiting for the tie's sum there)."""
 
-    def at_update(self, stage, step, replica):
-        now, later = super().at_update(stage, step, replica)
-        chain = [
-            (kind, op) for kind, op in now if (kind == "wait" and op[1][0].startswith("tie")) or op[1][0] == "norm"
-        ]
-        if any(kind == "wait" for kind, _ in chain):
-            return [item for item in now if item not in chain], chain + later
-        return now, later
+    def entries(self, stage):
+        entries = super().entries(stage)
+        chain = [e for e in entries["update"] if (e.action == "wait" and e.name == "tie") or e.name == "norm"]
+        if not any(e.action == "wait" for e in chain):
+            return entries
+        update = tuple(e for e in entries["update"] if e not in chain)
+        return {**entries, "update": update, "needed": (*chain, *entries["needed"])}
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)
@@ -183,19 +185,19 @@ def test_norm_of_a_tie_held_lowest_after_stage_0_must_be_posted_at_update(kind, 
     progs = programs(kind, P, P, collectives=NormPostedWhereNeeded(P, clip=True, ties=((1, P - 1),)))
     with pytest.raises(AssertionError, match="transfers deadlock"):
         check_transfers(progs, rendezvous=True)
-    check_transfers(programs(kind, P, P, collectives=Collectives(P, clip=True, ties=((1, P - 1),))), rendezvous=True)
+    check_transfers(programs(kind, P, P, collectives=UpdatePlan(P, clip=True, ties=((1, P - 1),))), rendezvous=True)
 
 
-def sharded_collectives(P: int, D: int) -> dict[str, Collectives]:
+def sharded_collectives(P: int, D: int) -> dict[str, UpdatePlan]:
     """The runtime's configurations with the optimizer state sharded over ``D`` replicas."""
     ties = ((0, P - 1),)
     return {
-        "in flight": Collectives(P, replicas=D, shard=True),
-        "hook": Collectives(P, replicas=D, shard=True, hook=True),
-        "clipping": Collectives(P, replicas=D, clip=True, shard=True),
-        "ties": Collectives(P, replicas=D, ties=ties, shard=True),
-        "ties, clipping": Collectives(P, replicas=D, clip=True, ties=ties, shard=True),
-        "two ties, clipping": Collectives(P, replicas=D, clip=True, ties=(*ties, (1, P - 1)), shard=True),
+        "in flight": UpdatePlan(P, replicas=D, shard=True),
+        "hook": UpdatePlan(P, replicas=D, shard=True, hook=True),
+        "clipping": UpdatePlan(P, replicas=D, clip=True, shard=True),
+        "ties": UpdatePlan(P, replicas=D, ties=ties, shard=True),
+        "ties, clipping": UpdatePlan(P, replicas=D, clip=True, ties=ties, shard=True),
+        "two ties, clipping": UpdatePlan(P, replicas=D, clip=True, ties=(*ties, (1, P - 1)), shard=True),
     }
 
 
@@ -218,31 +220,43 @@ def test_sharded_optimizer_state_never_deadlocks_under_nccl_semantics(kind, P, D
 
 
 def test_where_a_sharded_update_waits_and_posts():
-    """The items of one update, in flight and with clipping and ties (stage 0 of replica 1 of two, P = 2)."""
-    scatter, gather = (("C", ("data", (0, 2)), (name, 3, 0)) for name in ("reduce-scatter", "all-gather"))
-    in_flight = Collectives(2, replicas=2, shard=True)
-    assert in_flight.at_update(0, 3, 1) == ([("post", scatter)], [("wait", gather)])
-    assert in_flight.at_backward(0, 3, 1) == [("wait", scatter), ("post", gather)]
-    clipped = Collectives(2, replicas=2, clip=True, ties=((0, 1),), shard=True)
-    now, later = clipped.at_update(0, 3, 1)
-    tied, norms = (("C", ("data", (0, 2)), (name, 3, 0)) for name in ("tied average", "norms"))
-    tie, norm = ("C", ("tie 0", (2, 3)), ("tie", 3, 0)), ("C", ("norm", (2, 3)), ("norm", 3, 0))
-    assert now == [
-        ("post", scatter),
-        ("post", tied),
-        ("wait", tied),
-        ("wait", scatter),
-        ("post", norms),
-        ("wait", norms),
-        ("post", tie),
-    ]
-    assert clipped.at_settle(0, 3, 1) == [("wait", tie), ("post", norm), ("wait", norm), ("post", gather)]
-    assert later == [("wait", gather)]
-    assert clipped.at_backward(0, 3, 1) == [] and in_flight.at_settle(0, 3, 1) == []
+    """The entries of one update, in flight and with clipping and ties (stage 0 of P = 2), and where the
+    programs of replica 1 of two run them."""
+
+    def post(name, index=0):
+        return PlanEntry("post", name, index)
+
+    def wait(name, index=0):
+        return PlanEntry("wait", name, index)
+
+    scatter = ("C", ("data", (0, 2)), ("reduce-scatter", 3, 0))
+    in_flight = UpdatePlan(2, replicas=2, shard=True)
+    assert in_flight.entries(0) == {
+        "update": (post("reduce-scatter"),),
+        "backward": (wait("reduce-scatter"), PlanEntry("run", "step"), post("all-gather")),
+        "settle": (),
+        "needed": (wait("all-gather"),),
+    }
+    clipped = UpdatePlan(2, replicas=2, clip=True, ties=((0, 1),), shard=True)
+    assert clipped.entries(0) == {
+        "update": (
+            post("reduce-scatter"),
+            post("tied average"),
+            wait("tied average"),
+            wait("reduce-scatter"),
+            PlanEntry("run", "local norm"),
+            post("norms"),
+            wait("norms"),
+            post("tie", 0),
+        ),
+        "backward": (),
+        "settle": (wait("tie", 0), post("norm"), wait("norm"), PlanEntry("run", "step"), post("all-gather")),
+        "needed": (wait("all-gather"),),
+    }
     # With clipping (no tie), stage 1 of 2BW settles UPDATE(t) at its forward of micro-batch P - 1 = 1 of t + 1.
     program = host_program(
         segments("2bw", 2, 2, 1, [(0, 3)], evaluations=0),
-        collectives=Collectives(2, replicas=2, clip=True, shard=True),
+        updates=UpdatePlan(2, replicas=2, clip=True, shard=True),
         replica=1,
     )
     marks = [(k, op[2][0], op[2][1]) for k, arg in program for op in ((arg,) if k == "wait" else arg) if op[0] == "C"]
@@ -252,7 +266,7 @@ def test_where_a_sharded_update_waits_and_posts():
     forward = program.index(("wait", ("R", (2, 3), ("F", 1, 1))))  # stage 1 receives F(1, 1) before it runs it
     assert program.index(("wait", ("C", ("norm", (2, 3)), ("norm", 0, 0)))) > forward
     # Stage 0 of 2BW (0F2 0SF2 0RB1 0B1 0U0 0F3 0SF3 0RB2 0B2 | 0F4 ... 0U1 ... 0B4 | drain: 0RB5 0B5 0U2).
-    program = host_program(segments("2bw", 2, 2, 0, [(0, 3)], evaluations=0), collectives=in_flight, replica=1)
+    program = host_program(segments("2bw", 2, 2, 0, [(0, 3)], evaluations=0), updates=in_flight, replica=1)
     data = [(k, op[2][0], op[2][1]) for k, arg in program for op in ((arg,) if k == "wait" else arg) if op[0] == "C"]
     assert data == [
         ("post", "reduce-scatter", 0),  # 0U0
@@ -278,36 +292,29 @@ def test_sharded_step_at_update_deadlocks_2bw(P):
     pipeline's norm and the tied sums there: a synchronous clipping, which deadlocks 2BW (its last stage updates
     before the first stage has sent it the next step's activations). 1F1B needs the version at once."""
     for options in ({"clip": True}, {"ties": ((0, P - 1),)}):
-        collectives = Collectives(P, replicas=2, shard=True, deferred=False, **options)
+        collectives = UpdatePlan(P, replicas=2, shard=True, deferred=False, **options)
         with pytest.raises(AssertionError, match="transfers deadlock"):
             check_transfers(programs("2bw", P, P, collectives=collectives), rendezvous=True)
         check_transfers(programs("1f1b", P, P, collectives=collectives), rendezvous=True)
 
 
 @dataclass(frozen=True)
-class OwnerlessReplicaSkipsGather(Collectives):
-    """Sharded state where the last replica, owning no tensor, posts no all-gather (``ReplicaShards.gather``
-    posts one for every replica, with an empty segment if need be)."""
+class SkipsGather(UpdatePlan):
+    """Sharded state where a replica owning no tensor posts no all-gather (``ReplicaShards.gather`` posts one for
+    every replica, with an empty segment if need be)."""
 
-    def at_update(self, stage, step, replica):
-        now, later = super().at_update(stage, step, replica)
-        return now, [item for item in later if replica < self.replicas - 1 or item[1][2][0] != "all-gather"]
-
-    def at_backward(self, stage, step, replica, deferred=None):
-        items = super().at_backward(stage, step, replica, deferred)
-        return [item for item in items if replica < self.replicas - 1 or item[1][2][0] != "all-gather"]
-
-    def at_settle(self, stage, step, replica):
-        items = super().at_settle(stage, step, replica)
-        return [item for item in items if replica < self.replicas - 1 or item[1][2][0] != "all-gather"]
+    def entries(self, stage):
+        entries = super().entries(stage)
+        return {point: tuple(e for e in items if e.name != "all-gather") for point, items in entries.items()}
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("clip", [False, True])
 def test_every_replica_must_post_the_all_gather(kind, clip):
-    progs = programs(kind, 3, 3, collectives=OwnerlessReplicaSkipsGather(3, replicas=2, clip=clip, shard=True))
+    plans = [UpdatePlan(3, replicas=2, clip=clip, shard=True), SkipsGather(3, replicas=2, clip=clip, shard=True)]
     with pytest.raises(AssertionError, match="transfers deadlock"):
-        check_transfers(progs, rendezvous=False)
+        check_transfers(programs(kind, 3, 3, collectives=plans), rendezvous=False)
+    check_transfers(programs(kind, 3, 3, collectives=plans[:1]), rendezvous=False)
 
 
 class RecordingChannel:
@@ -383,37 +390,48 @@ def project(items, stage: int):
     return out
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
-@pytest.mark.parametrize("P,M", [(2, 2), (3, 6), (4, 4)])
-@pytest.mark.parametrize(
-    "with_collectives",
-    [
-        "none",
-        "clipping",
-        "ties",
-        "ties, clipping",
-        "replicas",
-        "replicas, clipping",
-        "replicas, ties, clipping",
-        "shard",
-        "shard, clipping",
-        "shard, ties",
-        "shard, ties, clipping",
-        "shard, hook",
-    ],
-)
-def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monkeypatch):
+MODES = [
+    "none",
+    "clipping",
+    "ties",
+    "ties, clipping",
+    "replicas",
+    "replicas, clipping",
+    "replicas, ties, clipping",
+    "shard",
+    "shard, clipping",
+    "shard, ties",
+    "shard, ties, clipping",
+    "shard, hook",
+    "replicas, hook",
+]
+
+
+def mode_plan(P: int, mode: str) -> UpdatePlan | None:
+    """The update's plan of a mode, built from its settings here (independently of the runtime)."""
+    if mode == "none":
+        return None
+    shard = "shard" in mode
+    return UpdatePlan(
+        P,
+        replicas=2 if "replicas" in mode or shard else 1,
+        clip="clipping" in mode,
+        ties=tie_stages(P) if "ties" in mode else (),
+        shard=shard,
+        hook="hook" in mode,
+    )
+
+
+def tie_stages(P: int):
+    return ((0, P - 1), (1, P - 1)) if P > 2 else ((0, P - 1),)
+
+
+def run_recorded(kind: str, P: int, M: int, settings: UpdatePlan, monkeypatch, plan: UpdatePlan | None = None):
+    """Run each stage's :class:`StageRuntime` over :data:`RUNS` (steps, drains, evaluations) with its channels and
+    collectives recorded, configured as ``settings`` says; per stage, the log and the plan its updates executed.
+    ``plan`` replaces the plan the runtime built."""
     torch.manual_seed(0)
     width, rows = 4, 2
-    tie_stages = ((0, P - 1), (1, P - 1)) if P > 2 else ((0, P - 1),)
-    shard = "shard" in with_collectives
-    replicas = 2 if "replicas" in with_collectives or shard else 1
-    clip = "clipping" in with_collectives
-    collectives = None
-    if with_collectives != "none":
-        ties = tie_stages if "ties" in with_collectives else ()
-        hook = "hook" in with_collectives
-        collectives = Collectives(P, replicas=replicas, clip=clip, ties=ties, shard=shard, hook=hook)
     log: list = []
     recorder = RecordingCollectives(log)
     for name in ("all_reduce", "reduce_scatter_single", "all_gather_single"):
@@ -425,8 +443,9 @@ def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monke
     shapes = ((width, width), (width,))
     tie_list = [
         Tie({s: f"0.{kind_}" for s in stages}, stages, shape, torch.float32, True)
-        for stages, kind_, shape in zip(tie_stages, ("weight", "bias"), shapes)
+        for stages, kind_, shape in zip(settings.ties, ("weight", "bias"), shapes)
     ]
+    out = []
     for stage in range(P):
         log.clear()
         layer = nn.Linear(width, width)
@@ -444,17 +463,19 @@ def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monke
             next_rank=stage + 1 if stage < P - 1 else None,
             check_finite=False,
             check_data_order=False,  # the recording channels carry activations only
-            clip_grad_norm=1.0 if clip else None,
+            clip_grad_norm=1.0 if settings.clip else None,
             norm_group="norm",
-            data_group="data" if replicas > 1 else None,
-            shard_optimizer=shard,
-            before_update=(lambda: None) if "hook" in with_collectives else None,
+            data_group="data" if settings.replicas > 1 else None,
+            shard_optimizer=settings.shard,
+            before_update=(lambda: None) if settings.hook else None,
             ties=TiedGradients(
                 tie_list, stage, [f"tie {i}" if stage in t.names else None for i, t in enumerate(tie_list)]
             )
-            if "ties" in with_collectives
+            if settings.ties
             else None,
         )
+        if plan is not None:
+            runtime.updates.plan = plan
         if runtime.prev is not None:
             runtime.prev = RecordingChannel("prev", log, (rows, width))
         if runtime.next is not None:
@@ -466,5 +487,79 @@ def test_runtime_posts_what_the_model_checks(kind, P, M, with_collectives, monke
             # As `segments` has them: a batch of M micro-batches, then one of a prime size above M (not split).
             for size in (rows * M, next(n for n in itertools.count(M + 1) if all(n % d for d in range(2, n)))):
                 runtime.evaluate(torch.randn(size, width))
-        expected = project(host_program(segments(kind, P, M, stage, RUNS), collectives=collectives), stage)
-        assert log == expected, f"stage {stage}"
+        out.append((list(log), runtime.updates.plan))
+    return out
+
+
+def planned(kind: str, P: int, M: int, stage: int, plan: UpdatePlan | None):
+    """What ``stage`` posts and waits for under ``plan``, as the recorders log it."""
+    return project(host_program(segments(kind, P, M, stage, RUNS), updates=plan), stage)
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("P,M", [(2, 2), (3, 6), (4, 4)])
+@pytest.mark.parametrize("mode", MODES)
+def test_runtime_executes_the_plan_the_model_checks(kind, P, M, mode, monkeypatch):
+    """The runtime builds the plan its settings call for, and posts and waits for exactly what that plan says
+    where :func:`host_program` (the deadlock model's reading of it) says."""
+    settings = mode_plan(P, mode) or UpdatePlan(P)
+    for stage, (log, plan) in enumerate(run_recorded(kind, P, M, settings, monkeypatch)):
+        assert plan == settings, f"stage {stage}"
+        assert log == planned(kind, P, M, stage, plan), f"stage {stage}"
+
+
+OPERATIONS = dict(updates.UpdateDriver.OPERATIONS)  # the runtime's own, before any test plants one
+
+
+def norm_waited_at_once(driver, pending, index):
+    """A runtime that does other than its plan's entry: it waits for the norm where it posts it."""
+    OPERATIONS["post", "norm"](driver, pending, index)
+    pending.posted["norm", 0].wait()
+
+
+def scatter_waited_at_once(driver, pending, index):
+    """Another: it waits for the reduce-scatter where it posts it."""
+    OPERATIONS["post", "reduce-scatter"](driver, pending, index)
+    owned = pending.posted["reduce-scatter", 0]()
+    pending.posted["reduce-scatter", 0] = lambda: owned
+
+
+@pytest.mark.parametrize(
+    ("mode", "planted"),
+    [
+        ("clipping", {("post", "norm"): norm_waited_at_once}),
+        ("shard", {("post", "reduce-scatter"): scatter_waited_at_once}),
+        ("shard", "advance"),
+    ],
+)
+def test_the_recording_catches_a_runtime_that_leaves_its_plan(mode, planted, monkeypatch):
+    """Planted: an operation that waits at once for what its entry only posts, or a runtime that skips the
+    ``"backward"`` point (its entries then run where the version is needed)."""
+    if planted == "advance":
+        monkeypatch.setattr(updates.UpdateDriver, "advance", lambda self: None)
+    else:
+        monkeypatch.setattr(updates.UpdateDriver, "OPERATIONS", {**OPERATIONS, **planted})
+    runs = run_recorded("2bw", 2, 2, mode_plan(2, mode), monkeypatch)
+    assert any(log != planned("2bw", 2, 2, stage, plan) for stage, (log, plan) in enumerate(runs))
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        UpdatePlan(3, clip=True, deferred=False),
+        NormPostedWhereNeeded(3, clip=True, ties=((1, 2),)),
+        UpdatePlan(3, replicas=2, clip=True, shard=True, deferred=False),
+    ],
+)
+def test_a_reordered_plan_runs_as_planned_and_the_model_finds_its_deadlock(plan, monkeypatch):
+    """The runtime executes whatever plan it holds (here one whose order deadlocks 2BW on NCCL: a synchronous
+    update, or a norm posted where the version is needed), and the deadlock model, reading the same plan, fails
+    it; the plan the runtime builds for the same settings passes."""
+    settings = UpdatePlan(3, replicas=plan.replicas, clip=plan.clip, ties=plan.ties, shard=plan.shard)
+    for stage, (log, executed) in enumerate(run_recorded("2bw", 3, 3, settings, monkeypatch, plan=plan)):
+        assert executed is plan and log == planned("2bw", 3, 3, stage, plan), f"stage {stage}"
+    with pytest.raises(AssertionError, match="transfers deadlock"):
+        check_transfers(programs("2bw", 3, 3, collectives=plan), rendezvous=True)
+    built = run_recorded("2bw", 3, 3, settings, monkeypatch)[0][1]
+    assert built == settings and built.entries(1) != plan.entries(1)
+    check_transfers(programs("2bw", 3, 3, collectives=built), rendezvous=True)
