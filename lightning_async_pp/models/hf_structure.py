@@ -219,7 +219,7 @@ def narrow_config(config: Any) -> Any:
     if kv_heads is not None:
         updates["num_key_value_heads"] = 1 if kv_heads == 1 else new_heads // 2 if kv_heads < heads else new_heads
     for key, value in config.to_dict().items():
-        if (key.endswith("intermediate_size") or key == "n_inner") and isinstance(value, int):
+        if (key.endswith("intermediate_size") and isinstance(value, int)) or key == "n_inner":  # None: 4x wide
             updates[key] = PROOF_WIDTH["intermediate"]
     if getattr(config, "vocab_size", 0) > PROOF_WIDTH["vocab"]:
         updates["vocab_size"] = PROOF_WIDTH["vocab"]
@@ -336,7 +336,8 @@ def _run_proof(narrow: Any, split: Callable[[nn.Module], list[nn.Module]], auto:
                 theirs = model(**batch).logits
                 ours = run_layers(layers, batch["input_ids"], batch)
             if ours.shape != theirs.shape:
-                return f"on {copy_name}, the pipeline's logits have shape {tuple(ours.shape)}, not {tuple(theirs.shape)}"
+                shapes = f"{tuple(ours.shape)}, not {tuple(theirs.shape)}"
+                return f"on {copy_name}, the pipeline's logits have shape {shapes}"
             difference, (row, position) = _compare(ours, theirs, mask)
             largest = float(theirs.abs().max())
             if not difference <= PROOF_TOLERANCE * max(1.0, largest):
