@@ -298,7 +298,12 @@ def prove_cut(config: Any, split: Callable[[nn.Module], list[nn.Module]]) -> flo
     start = time.perf_counter()
     try:
         narrow = narrow_config(config)
-        key = (type(config).__qualname__, narrow.to_json_string(use_diff=False), TRANSFORMS)
+        key = (
+            type(config).__qualname__,
+            narrow.to_json_string(use_diff=False),
+            config._attn_implementation,
+            TRANSFORMS,
+        )
     except Exception as error:  # the copy's settings are the configuration's own: any failure is its failure
         narrow, key = None, None
         verdict: str | None = f"could not make a small copy of the configuration ({type(error).__name__}: {error})"

@@ -125,12 +125,13 @@ def test_import_never_needs_transformers():
     [
         (dict(model_type="mixtral", config=dict(num_local_experts=4)), "mixture-of-experts"),
         (dict(model_type="llava"), "multimodal"),
+        (dict(model_type="gpt2", config=dict(add_cross_attention=True)), "cross-attention"),
         (dict(model_type="opt"), "cannot find the decoder-only structure of model_type='opt'"),
         (dict(model_type="biogpt"), "cannot prove its cut of model_type='biogpt' .* differ from transformers' own"),
         (dict(model_type="falcon"), "cannot prove its cut of model_type='falcon' .* failed \\(TypeError"),
         (dict(), "either `model_type`"),
     ],
-    ids=["moe", "multimodal", "no-structure", "extra-step", "other-layer-call", "nothing"],
+    ids=["moe", "multimodal", "cross-attention", "no-structure", "extra-step", "other-layer-call", "nothing"],
 )
 def test_unsupported_models_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
