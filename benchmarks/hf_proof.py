@@ -13,7 +13,6 @@ within it, the second construction, and the refusal when there is one; and saves
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import machine_description  # noqa: E402
+from bench_common import machine_description, save_report  # noqa: E402
 
 FAMILIES = (
     "llama gpt2 mistral qwen2 qwen3 gemma gemma2 gemma3_text phi3 olmo2 olmo olmo3 phi starcoder2 granite cohere "
@@ -74,12 +73,7 @@ def main(argv=None) -> None:
             print(f"{r['family']:>18} {r['construct_s']:>12.3f} {r['proof_s']:>8.3f} {r['construct_again_s']:>8.3f}")
         else:
             print(f"{r['family']:>18} {'-':>12} {'-':>8} {'-':>8}  {r['refusal'][:110]}")
-    report = {"machine": machine_description(), "threads": 1, "rows": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    else:
-        print(json.dumps(report))
+    save_report({"machine": machine_description(), "threads": 1, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
