@@ -293,8 +293,6 @@ def prove_cut(config: Any, split: Callable[[nn.Module], list[nn.Module]]) -> flo
     Raises:
         ValueError: Saying which logits differed and by how much, or what failed, and what to do instead.
     """
-    from transformers import AutoModelForCausalLM
-
     start = time.perf_counter()
     try:
         narrow = narrow_config(config)
@@ -305,7 +303,6 @@ def prove_cut(config: Any, split: Callable[[nn.Module], list[nn.Module]]) -> flo
             TRANSFORMS,
         )
     except Exception as error:  # the copy's settings are the configuration's own: any failure is its failure
-        narrow, key = None, None
         verdict: str | None = f"could not make a small copy of the configuration ({type(error).__name__}: {error})"
     else:
         if key in _PROVEN:
@@ -313,25 +310,26 @@ def prove_cut(config: Any, split: Callable[[nn.Module], list[nn.Module]]) -> flo
             if verdict is None:
                 return 0.0
         else:
-            verdict = _run_proof(narrow, split, AutoModelForCausalLM)
+            verdict = _run_proof(narrow, split)
             _PROVEN[key] = verdict
     if verdict is None:
         return time.perf_counter() - start
     raise ValueError(
-        f"CausalLM cannot prove its cut of model_type={config.model_type!r} into pipeline layers: {verdict}. Its "
-        "forward does something between the token embedding, the decoder layers, the final norm and the head that "
-        "the pipeline layers do not. Implement the pipeline contract for this model yourself (docs/user-guide.md, "
-        "sections 1-2), or train a model type the docs list as accepted (section 11)."
+        f"CausalLM cannot prove its cut of model_type={config.model_type!r} into pipeline layers: {verdict}. "
+        "Implement the pipeline contract for this model yourself (docs/user-guide.md, sections 1-2), or train a "
+        "model type the docs list as accepted (section 11)."
     )
 
 
-def _run_proof(narrow: Any, split: Callable[[nn.Module], list[nn.Module]], auto: Any) -> str | None:
+def _run_proof(narrow: Any, split: Callable[[nn.Module], list[nn.Module]]) -> str | None:
     """``None`` when the cut computes the model's own logits, else what differed."""
+    from transformers import AutoModelForCausalLM
+
     copy_name = f"a {narrow.num_hidden_layers}-layer, {narrow.hidden_size}-wide copy"
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = auto.from_config(narrow, attn_implementation=narrow._attn_implementation)
+            model = AutoModelForCausalLM.from_config(narrow, attn_implementation=narrow._attn_implementation)
         model = model.to(PROOF_DTYPE).eval()
         _randomize(model)
         layers = split(model)
@@ -350,10 +348,12 @@ def _run_proof(narrow: Any, split: Callable[[nn.Module], list[nn.Module]], auto:
                 return (
                     f"on {copy_name} in float32, {padding} padding, the pipeline's logits differ from transformers' "
                     f"own by up to {difference:.3g} (batch row {row}, position {position}; largest logit "
-                    f"{largest:.3g}; tolerance {PROOF_TOLERANCE:g} of it)"
+                    f"{largest:.3g}; tolerance {PROOF_TOLERANCE:g} of it): its forward does something between the "
+                    "token embedding, the decoder layers, the final norm and the head that the pipeline layers do not"
                 )
     except Exception as error:
-        return f"running {copy_name} failed ({type(error).__name__}: {error})"
+        failure = f"{type(error).__name__}: {error}"
+        return f"running {copy_name} and its pipeline layers failed ({failure})"
     return None
 
 
