@@ -1,6 +1,7 @@
 """Language models from other libraries as pipeline-ready ``LightningModule``s.
 
-:class:`CausalLM` wraps a Hugging Face ``transformers`` causal LM (Llama, Mistral, Qwen2, Qwen3, GPT-2) and
+:class:`CausalLM` wraps a Hugging Face ``transformers`` decoder-only causal LM (Llama, Gemma, Phi-3, OLMo 2, ...:
+those found by their structure whose cut passes its proof, :mod:`lightning_async_pp.models.hf_structure`) and
 :class:`TokenizedTextDataModule` feeds it packed token sequences, :class:`TokenFileDataModule` random windows of a
 pre-tokenized flat token file. ``transformers`` is an optional extra
 (``pip install "lightning-async-pp[hf]"``): it is imported when one of these names is first used, never by

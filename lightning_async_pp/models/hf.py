@@ -34,6 +34,7 @@ from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.data import refuse_custom_code
+from lightning_async_pp.models.hf_structure import attention_types, find_structure, prove_cut, refuse_unsupported
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.contract import run_layers
 
@@ -47,8 +48,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         f"(transformers {'>=5.24,<5.25'}). ({error})"
     ) from error
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-"""``model_type`` values the adapter knows how to cut into layers (and that the tests cover)."""
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "phi3", "olmo2")
+"""``model_type`` values the tests train through pipelines; others are accepted by their structure when their
+cut passes the proof (:mod:`lightning_async_pp.models.hf_structure`; docs/user-guide.md section 11 lists them)."""
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -81,18 +83,27 @@ def _position_ids(batch: Any, hidden: Tensor) -> Tensor:
 
 
 class Embedding(nn.Module):
-    """Token embedding (plus GPT-2's learned positions and dropout): ``(B, T)`` ids to hidden states."""
+    """Token embedding (then the family's declared steps, learned positions, dropout): ids to hidden states."""
 
     reads_batch = True
 
-    def __init__(self, embed_tokens: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None):
+    def __init__(
+        self,
+        embed_tokens: nn.Module,
+        wpe: nn.Embedding | None = None,
+        drop: nn.Module | None = None,
+        steps: nn.Module | None = None,
+    ):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.wpe = wpe
         self.drop = drop
+        self.steps = steps
 
     def forward(self, input_ids: Tensor, batch: Any = None) -> Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.steps is not None:
+            hidden = self.steps(hidden)
         if self.wpe is not None:
             hidden = hidden + self.wpe(_position_ids(batch, hidden))
         if self.drop is not None:
@@ -110,7 +121,7 @@ class BatchContext:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._values: dict[str, Any] = {}
+        self._values: dict[Any, Any] = {}
 
     def get(self, layer: DecoderLayer, hidden: Tensor, batch: Any) -> tuple[Any, Tensor, Any]:
         key = (hidden.shape, hidden.dtype, hidden.device, torch.is_grad_enabled())
@@ -134,9 +145,10 @@ class BatchContext:
             )
         rotary = None
         if layer.rotary_emb is not None:
-            rotary = self._values.get("rotary")
+            args = (kind,) if layer.rotary_by_type else ()  # Gemma 3's tables differ for sliding layers
+            rotary = self._values.get(("rotary", *args))
             if rotary is None:
-                rotary = self._values["rotary"] = layer.rotary_emb(hidden, position_ids)
+                rotary = self._values[("rotary", *args)] = layer.rotary_emb(hidden, position_ids, *args)
         return self._values[kind], position_ids, rotary
 
     def __deepcopy__(self, memo: dict) -> BatchContext:
@@ -153,6 +165,7 @@ class DecoderLayer(nn.Module):
         attention_type: ``"full_attention"`` or ``"sliding_attention"``.
         context: Shared by the decoder layers of a model, so a stage builds masks and tables once per
             micro-batch.
+        rotary_by_type: The rotary embedding takes the attention type (its tables differ per type).
     """
 
     reads_batch = True
@@ -164,6 +177,7 @@ class DecoderLayer(nn.Module):
         config: Any,
         attention_type: str,
         context: BatchContext | None = None,
+        rotary_by_type: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -171,6 +185,7 @@ class DecoderLayer(nn.Module):
         self.config = config
         self.attention_type = attention_type
         self.context = context if context is not None else BatchContext()
+        self.rotary_by_type = rotary_by_type
 
     def forward(self, hidden: Tensor, batch: Any = None) -> Tensor:
         mask, position_ids, rotary = self.context.get(self, hidden, batch)
@@ -180,70 +195,29 @@ class DecoderLayer(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm and the projection to vocabulary logits."""
+    """Final norm, the projection to vocabulary logits, then the family's declared steps (soft-capping, ...)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, steps: nn.Module | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.steps = steps
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden))
-
-
-def _attention_types(config: Any) -> list[str]:
-    n = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return list(types)[:n]
-    if getattr(config, "sliding_window", None) is not None and config.model_type != "gpt2":
-        return ["sliding_attention"] * n
-    return ["full_attention"] * n
-
-
-def _refuse_unsupported(config: Any) -> None:
-    model_type = getattr(config, "model_type", None)
-    if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(
-            f"CausalLM does not support mixture-of-experts models (model_type={model_type!r}): their routers "
-            "need a load-balancing loss and expert placement that the pipeline does not provide. Supported "
-            f"model types: {', '.join(SUPPORTED)}."
-        )
-    if any(hasattr(config, key) for key in ("vision_config", "audio_config")) or (
-        getattr(config, "text_config", None) is not None and config.text_config is not config
-    ):
-        raise ValueError(
-            f"CausalLM does not support multimodal models (model_type={model_type!r}); train the text decoder "
-            f"as its own causal LM instead. Supported model types: {', '.join(SUPPORTED)}."
-        )
-    if model_type not in SUPPORTED:
-        raise ValueError(
-            f"CausalLM does not know how to cut model_type={model_type!r} into pipeline layers. Supported model "
-            f"types: {', '.join(SUPPORTED)}. Other architectures can implement the pipeline contract directly "
-            "(see docs/user-guide.md)."
-        )
-    if getattr(config, "add_cross_attention", False):
-        raise ValueError("CausalLM does not support cross-attention (config.add_cross_attention=True).")
+        logits = self.lm_head(self.norm(hidden))
+        return logits if self.steps is None else self.steps(logits)
 
 
 def _split(model: nn.Module) -> list[nn.Module]:
-    """The pipeline layers of a ``transformers`` causal LM built on the meta device."""
-    config = model.config
-    types = _attention_types(config)
-    if config.model_type == "gpt2":
-        body = model.transformer
-        embedding = Embedding(body.wte, body.wpe, body.drop)
-        blocks, norm, rotary = body.h, body.ln_f, None
-    else:
-        body = model.model
-        embedding = Embedding(body.embed_tokens)
-        blocks, norm, rotary = body.layers, body.norm, body.rotary_emb
-    context = BatchContext()
+    """The pipeline layers of a ``transformers`` causal LM (:func:`~.hf_structure.find_structure` finds them)."""
+    config, found = model.config, find_structure(model)
+    types, context, rotary = attention_types(config), BatchContext(), found.rotary
     decoders = [
-        DecoderLayer(block, copy.deepcopy(rotary) if rotary is not None else None, config, types[i], context)
-        for i, block in enumerate(blocks[: config.num_hidden_layers])
+        DecoderLayer(block, copy.deepcopy(rotary), config, types[i], context, found.rotary_by_type)
+        for i, block in enumerate(found.layers[: config.num_hidden_layers])
     ]
-    return [embedding, *decoders, Head(norm, model.lm_head)]
+    embedding = Embedding(found.embed_tokens, found.positions, found.dropout, found.embedding_steps)
+    return [embedding, *decoders, Head(found.norm, found.lm_head, found.logit_steps)]
 
 
 # --- checkpoint files -----------------------------------------------------------------------------------
@@ -318,7 +292,7 @@ def _read_config(
         checkpoint = SafetensorsFolder(folder)
     else:
         hf_config = AutoConfig.for_model(model_type, **overrides)
-    _refuse_unsupported(hf_config)
+    refuse_unsupported(hf_config)
     return hf_config, checkpoint
 
 
@@ -336,8 +310,8 @@ class CausalLM(LightningModule):
     labels are shifted inside the loss. The loss is the token mean over each micro-batch.
 
     Args:
-        model_type: A ``transformers`` model type: ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"`` or
-            ``"gpt2"``.
+        model_type: A ``transformers`` decoder-only model type (``"llama"``, ``"gemma"``, ``"phi3"``, ...: those
+            whose cut passes the proof; docs/user-guide.md section 11 lists the families tried).
         config: Keyword arguments of that model type's configuration class (``LlamaConfig`` etc.), e.g.
             ``hidden_size``, ``num_hidden_layers``. With ``pretrained``, overrides of the saved configuration.
         pretrained: A local folder written by ``save_pretrained`` (``config.json`` and safetensors files).
@@ -356,8 +330,10 @@ class CausalLM(LightningModule):
             the compiled code, once per stage and micro-batch. See :mod:`lightning_async_pp.models.compiling`.
 
     Raises:
-        ValueError: For unsupported architectures (mixture-of-experts, multimodal, cross-attention, model
-            types outside ``SUPPORTED``), or when neither or both of ``model_type`` and ``pretrained`` are given.
+        ValueError: For unsupported architectures (mixture-of-experts, multimodal, cross-attention, a base
+            model without the decoder-only structure, a cut whose logits differ from ``transformers``' own on a
+            small copy: :mod:`~lightning_async_pp.models.hf_structure`), or when neither or both of
+            ``model_type`` and ``pretrained`` are given.
     """
 
     def __init__(
@@ -395,8 +371,9 @@ class CausalLM(LightningModule):
         self.tied = (
             bool(self.hf_config.tie_word_embeddings) if hasattr(self.hf_config, "tie_word_embeddings") else False
         )
-        self.tied = self.tied and model.lm_head.weight is model.get_input_embeddings().weight
+        self.tied = self.tied and model.get_output_embeddings().weight is model.get_input_embeddings().weight
         self.layers = nn.ModuleList(_split(model))
+        self.proof_seconds = prove_cut(self.hf_config, _split)  # before any worker starts; 0 once proved
         compile_blocks((layer.layer for layer in self.layers if isinstance(layer, DecoderLayer)), compile)
         hf_names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -471,13 +448,13 @@ class CausalLM(LightningModule):
         # A tied head keeps the embedding's values (on another stage, the tie copies them over): the first
         # layer that uses a tied weight initialises it. transformers' init functions skip flagged tensors.
         keep = [shadow.lm_head.weight] if self.tied and isinstance(shadow, Head) else []
+        if buffers_only:  # weights read from a checkpoint: only computed buffers (rotary tables, Gemma's scale)
+            keep = list(shadow.parameters())
         for tensor in keep:
             tensor._is_hf_initialized = True
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.hparams.init_seed + index)
             for module in _post_order(shadow):
-                if buffers_only and "RotaryEmbedding" not in type(module).__name__:
-                    continue
                 model._init_weights(module)
         for tensor in keep:
             del tensor._is_hf_initialized

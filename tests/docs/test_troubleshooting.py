@@ -101,6 +101,12 @@ def _header_over_another_json(folder: Path) -> None:
     write_token_file([folder / "corpus.txt"], folder / "train.bin")
 
 
+def _causal_lm(model_type: str) -> None:
+    from lightning_async_pp.models import CausalLM
+
+    CausalLM(model_type=model_type)
+
+
 def _custom_code(folder: Path) -> None:
     (folder / "config.json").write_text('{"auto_map": {"AutoConfig": "mine.Config"}}')
     refuse_custom_code(folder / "config.json")
@@ -124,6 +130,8 @@ REFUSALS: dict[str, Callable[[Path], None]] = {
     "token file over its source": _tokens_over_their_source,
     "token header over another file": _header_over_another_json,
     "model folder with code of its own": _custom_code,
+    "Hugging Face model without the structure": lambda _: _causal_lm("opt"),
+    "Hugging Face model whose cut fails its proof": lambda _: _causal_lm("biogpt"),
 }
 
 

@@ -13,13 +13,25 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
 import lightning_async_pp  # noqa: E402
 from lightning_async_pp import AsyncPipelineStrategy  # noqa: E402
-from lightning_async_pp.models import CausalLM  # noqa: E402
+from lightning_async_pp.models import CausalLM, hf_structure  # noqa: E402
+from lightning_async_pp.models.hf_structure import TRANSFORMS  # noqa: E402
 from tests.fixtures.helpers import ROOT, fit, run_script  # noqa: E402
-from tests.fixtures.hf_models import adamw, plain_hf_training, sgd, tiny_causal_lm, token_batches  # noqa: E402
+from tests.fixtures.hf_models import (  # noqa: E402
+    ACCEPTED,
+    CONFIGS,
+    STRUCTURAL,
+    adamw,
+    plain_hf_training,
+    sgd,
+    tiny_causal_lm,
+    tiny_config,
+    token_batches,
+)
 
 RUNNER = "tests.multiprocess.scripts.hf_run"
 TIMEOUT = 420
@@ -41,10 +53,10 @@ def materialized(family: str, **kwargs) -> CausalLM:
 
 
 @pytest.mark.parametrize("padding", [False, True], ids=["dense", "padded"])
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2", "qwen3", *STRUCTURAL])
 def test_adapter_loss_equals_the_hf_models_own_loss(family, padding):
     model = materialized(family)
-    assert model.tied == (family == "gpt2")
+    assert model.tied == (family in ("gpt2", "gemma"))
     twin = hf_twin(model)
     batch = token_batches(1, batch_size=3, seq=20, seed=3, padding=padding)[0]
     ours = model.pipeline_loss(model(batch), batch)
@@ -113,14 +125,101 @@ def test_import_never_needs_transformers():
     [
         (dict(model_type="mixtral", config=dict(num_local_experts=4)), "mixture-of-experts"),
         (dict(model_type="llava"), "multimodal"),
-        (dict(model_type="gemma"), "does not know how to cut model_type='gemma'"),
+        (dict(model_type="gpt2", config=dict(add_cross_attention=True)), "cross-attention"),
+        (dict(model_type="opt"), "cannot find the decoder-only structure of model_type='opt'"),
+        (dict(model_type="biogpt"), "cannot prove its cut of model_type='biogpt' .* differ from transformers' own"),
+        (dict(model_type="falcon"), "cannot prove its cut of model_type='falcon' .* failed \\(TypeError"),
         (dict(), "either `model_type`"),
     ],
-    ids=["moe", "multimodal", "unknown", "nothing"],
+    ids=["moe", "multimodal", "cross-attention", "no-structure", "extra-step", "other-layer-call", "nothing"],
 )
 def test_unsupported_models_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CausalLM(**kwargs)
+
+
+@pytest.mark.parametrize("family", ACCEPTED)
+def test_families_accepted_by_structure_give_the_hf_models_own_loss(family):
+    """Beyond the families trained through pipelines: each one the docs list as accepted passes the proof at
+    construction and, materialised at its own (tiny) size, gives transformers' loss with and without padding."""
+    attn = "eager" if family == "gemma2" else "sdpa"  # transformers refuses sdpa for Gemma 2
+    model = CausalLM(model_type=family, config=tiny_config(family), attn_implementation=attn, lr_schedule="constant")
+    model.configure_model()
+    twin = hf_twin(model)
+    for padding in (False, True):
+        batch = token_batches(1, batch_size=3, seq=20, seed=3, padding=padding)[0]
+        ours = model.pipeline_loss(model(batch), batch)
+        theirs = twin(**{"labels": batch["input_ids"], **batch}).loss
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+class _ScaledLlamaConfig(LlamaConfig):
+    model_type = "scaled_llama_for_tests"
+
+
+class _ScaledLlamaModel(LlamaModel):
+    """A Llama whose forward doubles the embeddings: a step between the pieces that the structure does not show."""
+
+    def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids) * 2.0
+        return super().forward(inputs_embeds=inputs_embeds, **kwargs)
+
+
+class _ScaledLlamaForCausalLM(LlamaForCausalLM):
+    config_class = _ScaledLlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = _ScaledLlamaModel(config)
+        self.post_init()
+
+
+def test_a_forward_step_the_structure_does_not_show_is_refused():
+    if _ScaledLlamaConfig.model_type not in CONFIG_MAPPING:
+        AutoConfig.register(_ScaledLlamaConfig.model_type, _ScaledLlamaConfig)
+        AutoModelForCausalLM.register(_ScaledLlamaConfig, _ScaledLlamaForCausalLM)
+    with pytest.raises(ValueError, match="cannot prove its cut of model_type='scaled_llama_for_tests'") as refused:
+        CausalLM(model_type=_ScaledLlamaConfig.model_type, config=CONFIGS["llama"])
+    assert "without padding, the pipeline's logits differ from transformers' own by up to" in str(refused.value)
+    CausalLM(model_type="llama", config=CONFIGS["llama"])  # the same structure without the step is accepted
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "attribute"),
+    [
+        ("gemma2", {}, "final_logit_softcapping"),
+        ("cohere", {}, "logit_scale"),
+        ("granite", dict(logits_scaling=8.0, embedding_multiplier=12.0), "logits_scaling"),
+        ("granite", dict(logits_scaling=8.0, embedding_multiplier=12.0), "embedding_multiplier"),
+    ],
+)
+def test_each_declared_step_is_confirmed_by_the_proof(family, config, attribute, monkeypatch):
+    """With its declared step a family is accepted; without it, the proof sees the difference and refuses."""
+    settings = {**tiny_config(family), **config}
+    attn = "eager" if family == "gemma2" else "sdpa"
+    assert CausalLM(model_type=family, config=settings, attn_implementation=attn).layers
+    monkeypatch.setattr(hf_structure, "TRANSFORMS", tuple(t for t in TRANSFORMS if t.attribute != attribute))
+    with pytest.raises(ValueError, match="logits differ from transformers' own by up to"):
+        CausalLM(model_type=family, config=settings, attn_implementation=attn)
+
+
+def test_the_proof_runs_once_per_configuration():
+    config = {**CONFIGS["llama"], "vocab_size": 97}  # a configuration no other test proves
+    first = CausalLM(model_type="llama", config=config)
+    again = CausalLM(model_type="llama", config=config)
+    assert first.proof_seconds > 0 and again.proof_seconds == 0
+
+
+def test_a_pretrained_gemma_folder_computes_its_embedding_scale(tmp_path):
+    """Gemma's sqrt(hidden_size) is a buffer that no checkpoint holds: loading a folder must compute it."""
+    source = materialized("gemma")
+    hf_twin(source).save_pretrained(tmp_path)
+    loaded = CausalLM(pretrained=str(tmp_path), lr_schedule="constant")
+    loaded.configure_model()
+    assert float(loaded.layers[0].embed_tokens.embed_scale) == pytest.approx(CONFIGS["gemma"]["hidden_size"] ** 0.5)
+    batch = token_batches(1, batch_size=3, seq=20, seed=3)[0]
+    torch.testing.assert_close(loaded(batch), source(batch), rtol=0, atol=0)
 
 
 # --- multi-process pipelines ------------------------------------------------------------------------------
@@ -144,12 +243,16 @@ def assert_same_weights(weights: dict, expected: dict, rtol=1e-5, atol=1e-6) -> 
         torch.testing.assert_close(value, expected[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-def _assert_1f1b_matches_plain_training(tmp_path, devices: int) -> None:
+def _assert_1f1b_matches_plain_training(tmp_path, devices: int, family: str = "llama") -> None:
     steps, microbatches = 10, 2
+    twin = hf_twin(materialized(family))
+    tied = twin.get_output_embeddings().weight is twin.get_input_embeddings().weight
+    # A tied gradient is summed in another order across stages; SGD keeps that last-bit difference last-bit.
+    optimizer = "sgd" if tied else "adamw"
     result, weights, _ = run_pipeline(
         tmp_path,
         "--family",
-        "llama",
+        family,
         "--devices",
         str(devices),
         "--schedule",
@@ -158,18 +261,21 @@ def _assert_1f1b_matches_plain_training(tmp_path, devices: int) -> None:
         str(microbatches),
         "--steps",
         str(steps),
+        "--optimizer",
+        optimizer,
     )
-    twin = hf_twin(materialized("llama"))
-    expected = plain_hf_training(twin, token_batches(steps), microbatches)
+    expected = plain_hf_training(twin, token_batches(steps), microbatches, sgd if tied else adamw)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     final = twin.state_dict()
-    assert sorted(weights) == sorted(final)
+    assert sorted(weights) == sorted(k for k in final if not (tied and k == "lm_head.weight"))
     assert_same_weights(weights, final)
 
 
 @pytest.mark.multiprocess
-def test_1f1b_two_stages_equals_plain_hf_training(tmp_path):
-    _assert_1f1b_matches_plain_training(tmp_path, 2)
+@pytest.mark.parametrize("family", ["llama", *STRUCTURAL])
+def test_1f1b_two_stages_equals_plain_hf_training(tmp_path, family):
+    """Llama, and the families accepted by their structure (Gemma with its scaled, tied embedding)."""
+    _assert_1f1b_matches_plain_training(tmp_path, 2, family)
 
 
 @pytest.mark.slow
