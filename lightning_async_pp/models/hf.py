@@ -35,6 +35,7 @@ from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.data import refuse_custom_code
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
+from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
 from lightning_async_pp.runtime.contract import run_layers
 
 try:
@@ -203,12 +204,11 @@ def _attention_types(config: Any) -> list[str]:
 
 def _refuse_unsupported(config: Any) -> None:
     model_type = getattr(config, "model_type", None)
-    if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(
-            f"CausalLM does not support mixture-of-experts models (model_type={model_type!r}): their routers "
-            "need a load-balancing loss and expert placement that the pipeline does not provide. Supported "
-            f"model types: {', '.join(SUPPORTED)}."
-        )
+    from lightning_async_pp.models.hf_moe import is_moe, refuse_unsupported_moe  # it builds on this module
+
+    if is_moe(config):
+        refuse_unsupported_moe(config)
+        return
     if any(hasattr(config, key) for key in ("vision_config", "audio_config")) or (
         getattr(config, "text_config", None) is not None and config.text_config is not config
     ):
@@ -337,7 +337,9 @@ class CausalLM(LightningModule):
 
     Args:
         model_type: A ``transformers`` model type: ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"`` or
-            ``"gpt2"``.
+            ``"gpt2"``, or a mixture of experts: ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``
+            (:mod:`~lightning_async_pp.models.hf_moe`; set ``output_router_logits=True`` to train the routers'
+            load-balancing loss, as in ``transformers``).
         config: Keyword arguments of that model type's configuration class (``LlamaConfig`` etc.), e.g.
             ``hidden_size``, ``num_hidden_layers``. With ``pretrained``, overrides of the saved configuration.
         pretrained: A local folder written by ``save_pretrained`` (``config.json`` and safetensors files).
@@ -356,8 +358,8 @@ class CausalLM(LightningModule):
             the compiled code, once per stage and micro-batch. See :mod:`lightning_async_pp.models.compiling`.
 
     Raises:
-        ValueError: For unsupported architectures (mixture-of-experts, multimodal, cross-attention, model
-            types outside ``SUPPORTED``), or when neither or both of ``model_type`` and ``pretrained`` are given.
+        ValueError: For unsupported architectures (multimodal, cross-attention, model types outside ``SUPPORTED``
+            and ``hf_moe.SUPPORTED_MOE``), or when neither or both of ``model_type`` and ``pretrained`` are given.
     """
 
     def __init__(
@@ -396,7 +398,10 @@ class CausalLM(LightningModule):
             bool(self.hf_config.tie_word_embeddings) if hasattr(self.hf_config, "tie_word_embeddings") else False
         )
         self.tied = self.tied and model.lm_head.weight is model.get_input_embeddings().weight
-        self.layers = nn.ModuleList(_split(model))
+        from lightning_async_pp.models.hf_moe import route
+
+        layers, self.router_loss = route(_split(model), model)
+        self.layers = nn.ModuleList(layers)
         compile_blocks((layer.layer for layer in self.layers if isinstance(layer, DecoderLayer)), compile)
         hf_names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -490,6 +495,8 @@ class CausalLM(LightningModule):
             self._retie(self.layers[-1])
 
     def _load(self, layer: nn.Module) -> None:
+        from lightning_async_pp.models.hf_moe import stored_expert_slices
+
         assert self.checkpoint is not None
         prefix = next(name for name, module in self.named_modules() if module is layer)
         wanted: dict[str, Tensor] = {}
@@ -500,6 +507,10 @@ class CausalLM(LightningModule):
                     continue  # the embedding's tensor, loaded with the embedding
                 # On a stage without the embedding, the head's copy reads the embedding's stored tensor.
             key = next((n for n in self._hf_names[name] if n in self.checkpoint), None)
+            experts = stored_expert_slices(self.checkpoint, self.hf_name(name), param, self.hf_config.model_type)
+            if key is None and experts is not None:
+                wanted.update(experts)  # stacked in memory, stored per expert
+                continue
             if key is None:
                 raise KeyError(
                     f"{self.checkpoint.folder} has no tensor for {self._hf_names[name][0]} (parameter {name}). "
@@ -516,11 +527,15 @@ class CausalLM(LightningModule):
     def pipeline_inputs(self, batch: Any) -> Tensor:
         return _input_ids(batch)
 
-    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+    def pipeline_loss(self, output: Tensor | tuple[Tensor, ...], batch: Any) -> Tensor:
+        """The language-model loss; for a mixture-of-experts model whose output carries the routers' totals
+        (:mod:`~lightning_async_pp.models.hf_moe`), with the load-balancing loss's gradient attached to it."""
+        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:])
         labels = _get(batch, "labels")
         if labels is None:
             labels = _input_ids(batch)
-        return self._hf[0].loss_function(logits=output, labels=labels, vocab_size=self.hf_config.vocab_size)
+        loss = self._hf[0].loss_function(logits=logits, labels=labels, vocab_size=self.hf_config.vocab_size)
+        return loss if totals is None or self.router_loss is None else self.router_loss.attach(loss, totals)
 
     def pipeline_validation_step(self, output: Tensor, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", self.pipeline_loss(output, batch), prog_bar=True)
@@ -529,15 +544,19 @@ class CausalLM(LightningModule):
 
     def forward(self, batch: Any) -> Tensor:
         """Logits of a batch (a dict with ``input_ids``, or a tensor of ids)."""
-        return run_layers(self.layers, _input_ids(batch), batch)
+        output = run_layers(self.layers, _input_ids(batch), batch)
+        return output if isinstance(output, Tensor) else output[0]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch), batch)
+        with AuxiliaryLosses(1 / self.trainer.accumulate_grad_batches) as aux:
+            loss = self.pipeline_loss(run_layers(self.layers, _input_ids(batch), batch), batch)
         self.log("train/loss", loss, prog_bar=True)
+        if aux.total() is not None:
+            self.log("train/aux_loss", aux.total())
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.pipeline_validation_step(self(batch), batch, batch_idx)
+        self.pipeline_validation_step(run_layers(self.layers, _input_ids(batch), batch), batch, batch_idx)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
