@@ -34,6 +34,7 @@ from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.data import refuse_custom_code
+from lightning_async_pp.models.hf_moe import is_moe, refuse_unsupported_moe, route, stored_elsewhere
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
 from lightning_async_pp.runtime.contract import run_layers
@@ -188,7 +189,9 @@ class Head(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        if isinstance(hidden, tuple):  # a mixture of experts' router totals follow the logits (hf_moe)
+            return (self.lm_head(self.norm(hidden[0])), *hidden[1:])
         return self.lm_head(self.norm(hidden))
 
 
@@ -204,8 +207,6 @@ def _attention_types(config: Any) -> list[str]:
 
 def _refuse_unsupported(config: Any) -> None:
     model_type = getattr(config, "model_type", None)
-    from lightning_async_pp.models.hf_moe import is_moe, refuse_unsupported_moe  # it builds on this module
-
     if is_moe(config):
         refuse_unsupported_moe(config)
         return
@@ -398,11 +399,10 @@ class CausalLM(LightningModule):
             bool(self.hf_config.tie_word_embeddings) if hasattr(self.hf_config, "tie_word_embeddings") else False
         )
         self.tied = self.tied and model.lm_head.weight is model.get_input_embeddings().weight
-        from lightning_async_pp.models.hf_moe import route
-
-        layers, self.router_loss = route(_split(model), model)
+        layers = _split(model)
+        compile_blocks((layer.layer for layer in layers if isinstance(layer, DecoderLayer)), compile)
+        layers, self.router_loss = route(layers, model)  # a mixture of experts' decoders carry router totals
         self.layers = nn.ModuleList(layers)
-        compile_blocks((layer.layer for layer in self.layers if isinstance(layer, DecoderLayer)), compile)
         hf_names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             hf_names.setdefault(id(param), []).append(name)
@@ -495,8 +495,6 @@ class CausalLM(LightningModule):
             self._retie(self.layers[-1])
 
     def _load(self, layer: nn.Module) -> None:
-        from lightning_async_pp.models.hf_moe import stored_expert_slices
-
         assert self.checkpoint is not None
         prefix = next(name for name, module in self.named_modules() if module is layer)
         wanted: dict[str, Tensor] = {}
@@ -507,9 +505,9 @@ class CausalLM(LightningModule):
                     continue  # the embedding's tensor, loaded with the embedding
                 # On a stage without the embedding, the head's copy reads the embedding's stored tensor.
             key = next((n for n in self._hf_names[name] if n in self.checkpoint), None)
-            experts = stored_expert_slices(self.checkpoint, self.hf_name(name), param, self.hf_config.model_type)
-            if key is None and experts is not None:
-                wanted.update(experts)  # stacked in memory, stored per expert
+            hf_name, model_type = self._hf_names[name][0], self.hf_config.model_type
+            if key is None and (experts := stored_elsewhere(self.checkpoint, hf_name, param, model_type)):
+                wanted.update(experts)  # e.g. stacked in memory, stored per expert
                 continue
             if key is None:
                 raise KeyError(

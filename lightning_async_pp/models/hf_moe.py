@@ -26,13 +26,12 @@ The statistics are computed only when the configuration asks for the loss (``out
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_async_pp.models.hf import DecoderLayer, Head, SafetensorsFolder
 from lightning_async_pp.runtime.auxiliary import attach_auxiliary_loss
 
 SUPPORTED_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -40,8 +39,10 @@ SUPPORTED_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
-# The names under which `save_pretrained` stores each expert's matrices (transformers keeps them stacked in memory
-# and converts on loading): the gate, up and down projections.
+# Each family's router class (its forward returns the router logits first, as transformers' own OutputRecorder
+# reads them), and the names under which `save_pretrained` stores its experts' matrices (transformers keeps them
+# stacked in memory and converts on loading): the MoE block, the gate, up and down projections.
+_ROUTERS = {"mixtral": "MixtralTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter"}
 _PER_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -118,70 +119,65 @@ class RouterLoss:
         return attach_auxiliary_loss(loss, self(totals), weight=self.coefficient)
 
 
-class RoutedDecoderLayer(DecoderLayer):
-    """A decoder layer of a mixture-of-experts model: it adds its routers' statistics to the totals.
+class RoutedDecoderLayer(nn.Module):
+    """A decoder layer of a mixture-of-experts model that adds its routers' statistics to the totals.
 
     It takes and returns the hidden states alone until the first sparse layer, then
     ``(hidden, assigned, probability, rows)``; a dense layer (Qwen2-MoE's ``mlp_only_layers``) hands the totals on.
 
     Args:
-        decoder: The pipeline layer it replaces.
-        router_type: The router's class; its forward returns the router logits at ``index``.
-        index: Where the router's output holds the logits.
+        decoder: The pipeline layer it runs (``hf.DecoderLayer``): its ``transformers`` layer and rotary embedding
+            are registered here under the same names, so parameter names are those of a dense model.
+        router_type: The name of the router's class; its forward returns the router logits first.
         loss: The loss the totals are for.
     """
 
-    def __init__(self, decoder: DecoderLayer, router_type: type, index: int, loss: RouterLoss) -> None:
-        super().__init__(decoder.layer, decoder.rotary_emb, decoder.config, decoder.attention_type, decoder.context)
+    reads_batch = True
+
+    def __init__(self, decoder: nn.Module, router_type: str, loss: RouterLoss) -> None:
+        super().__init__()
+        self.layer = decoder.layer
+        self.rotary_emb = decoder.rotary_emb
+        self._decoder = (decoder,)  # not registered: its modules are this module's
         self.router_loss = loss
-        self.index = index
         self._logits: list[Tensor] = []
         self.sparse = False
         for module in self.layer.modules():
-            if isinstance(module, router_type):
+            if type(module).__name__ == router_type:
                 # Read from the router's output as transformers' own OutputRecorder does: the decoder layer is run
-                # as it is (or compiled), without copying its forward.
+                # as it is (or compiled), without a copy of its forward.
                 module.register_forward_hook(self._record)
                 self.sparse = True
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._logits.append(output[self.index])
+        self._logits.append(output[0])
 
     def forward(self, x: Tensor | tuple[Tensor, ...], batch: Any = None) -> Tensor | tuple[Tensor, ...]:
         hidden, totals = (x, None) if isinstance(x, Tensor) else (x[0], x[1:])
         self._logits = []
-        hidden = super().forward(hidden, batch)
+        hidden = self._decoder[0](hidden, batch)
         logits, self._logits = self._logits, []
         for layer_logits in logits:
             totals = self.router_loss.add(totals, layer_logits, batch)
         return hidden if totals is None else (hidden, *totals)
 
 
-class RoutedHead(Head):
-    """The head of a mixture-of-experts model: logits, followed by the totals it received."""
-
-    def forward(self, x: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
-        if isinstance(x, Tensor):
-            return super().forward(x)
-        return (super().forward(x[0]), *x[1:])
-
-
 def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], RouterLoss | None]:
-    """The pipeline layers of a ``transformers`` model, with the routers' statistics carried forward when its
-    configuration asks for the load-balancing loss, and that loss (``None`` otherwise, and for dense models)."""
+    """The pipeline layers of a ``transformers`` model, with its decoder layers carrying the routers' statistics
+    when its configuration asks for the load-balancing loss, and that loss (``None`` otherwise, and for dense
+    models). The head hands the totals on after the logits."""
     config = model.config
     if not is_moe(config) or not getattr(config, "output_router_logits", False):
         return layers, None
-    recorder = type(model)._can_record_outputs["router_logits"]
     num_experts = getattr(config, "num_local_experts", None) or config.num_experts
     loss = RouterLoss(num_experts, config.num_experts_per_tok, float(config.router_aux_loss_coef))
-    routed: list[nn.Module] = []
-    for layer in layers:
-        if isinstance(layer, DecoderLayer):
-            layer = RoutedDecoderLayer(layer, recorder.target_class, recorder.index, loss)
-        elif isinstance(layer, Head):
-            layer = RoutedHead(layer.norm, layer.lm_head)
-        routed.append(layer)
+    blocks = {id(block) for block in model.model.layers}
+    routed = [
+        RoutedDecoderLayer(layer, _ROUTERS[config.model_type], loss)
+        if id(getattr(layer, "layer", None)) in blocks
+        else layer
+        for layer in layers
+    ]
     if not any(isinstance(layer, RoutedDecoderLayer) and layer.sparse for layer in routed):
         raise ValueError(
             f"This {config.model_type} configuration has no sparse layer (see decoder_sparse_step and "
@@ -190,43 +186,44 @@ def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], R
     return routed, loss
 
 
-def expert_slices(name: str, param: Tensor, model_type: str) -> dict[str, Tensor]:
-    """The per-expert tensors that ``save_pretrained`` stores for a stacked expert tensor, each mapped to the view
-    of ``param`` it fills (``{}`` when ``name`` is not a stacked expert tensor of a supported family).
+def stored_slices(name: str, param: Tensor, model_type: str) -> dict[str, Tensor]:
+    """The tensors that ``save_pretrained`` stores for a parameter under other names, each mapped to the view of
+    ``param`` it fills (``{}`` when it is stored under its own name).
 
     ``transformers`` keeps a layer's experts stacked (``experts.gate_up_proj``: ``(E, 2I, H)``, gate rows first;
-    ``experts.down_proj``: ``(E, H, I)``) and writes them per expert; a stage reads only its own layers' experts.
+    ``experts.down_proj``: ``(E, H, I)``) and writes them per expert, under Mixtral's older module name
+    ``block_sparse_moe`` for its ``mlp``; it converts them on loading. A stage reads only its own layers' tensors.
     """
-    head, _, leaf = name.rpartition(".experts.")
     names = _PER_EXPERT_NAMES.get(model_type)
-    if names is None or leaf not in ("gate_up_proj", "down_proj") or param.dim() != 3 or not head.endswith(".mlp"):
+    if names is None or ".mlp." not in name:
         return {}
     block, gate, up, down = names
-    prefix = f"{head.removesuffix('.mlp')}.{block}.experts"
-    if leaf == "down_proj":
-        return {f"{prefix}.{e}.{down}.weight": param[e] for e in range(param.shape[0])}
-    half = param.shape[1] // 2
-    slices = {}
-    for e in range(param.shape[0]):
-        slices[f"{prefix}.{e}.{gate}.weight"] = param[e, :half]
-        slices[f"{prefix}.{e}.{up}.weight"] = param[e, half:]
-    return slices
+    stored = name.replace(".mlp.", f".{block}.", 1)
+    prefix, _, leaf = stored.rpartition(".experts.")
+    if leaf == "down_proj" and param.dim() == 3:
+        return {f"{prefix}.experts.{e}.{down}.weight": param[e] for e in range(param.shape[0])}
+    if leaf == "gate_up_proj" and param.dim() == 3:
+        half = param.shape[1] // 2
+        slices = {}
+        for e in range(param.shape[0]):
+            slices[f"{prefix}.experts.{e}.{gate}.weight"] = param[e, :half]
+            slices[f"{prefix}.experts.{e}.{up}.weight"] = param[e, half:]
+        return slices
+    return {} if stored == name else {stored: param}
 
 
-def stored_expert_slices(
-    checkpoint: SafetensorsFolder, name: str, param: Tensor, model_type: str
-) -> dict[str, Tensor] | None:
-    """:func:`expert_slices` when the folder holds every one of them, else ``None``."""
-    slices = expert_slices(name, param, model_type)
-    return slices if slices and all(key in checkpoint for key in slices) else None
+def stored_elsewhere(checkpoint: Container[str], name: str, param: Tensor, model_type: str) -> dict[str, Tensor]:
+    """:func:`stored_slices` when the folder holds every one of them, else ``{}``."""
+    slices = stored_slices(name, param, model_type)
+    return slices if all(key in checkpoint for key in slices) else {}
 
 
 __all__ = [
     "SUPPORTED_MOE",
     "RouterLoss",
     "RoutedDecoderLayer",
-    "RoutedHead",
-    "expert_slices",
+    "stored_elsewhere",
+    "stored_slices",
     "is_moe",
     "refuse_unsupported_moe",
     "route",
