@@ -3,7 +3,8 @@
     python -m tests.multiprocess.scripts.hf_run --family llama --devices 2 --schedule 1f1b \
         --microbatches 2 --steps 10 --out DIR
 
-Rank 0 writes ``DIR/result.json`` (losses, validation losses); every rank writes its parameters under their
+Rank 0 writes ``DIR/result.json`` (losses, validation losses, and for a mixture of experts each step's routers'
+loss summed over stages); every rank writes its parameters under their
 ``transformers`` names to ``DIR/weights_rank{R}.pt`` and the safetensors keys it read to ``DIR/read_rank{R}.json``.
 """
 
@@ -109,6 +110,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--padding", action="store_true")
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--val-every", type=int, default=0, help="validate after this many steps (0: never)")
     parser.add_argument(
         "--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit"
@@ -141,6 +143,7 @@ def main(argv=None) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[recorder],
+        gradient_clip_val=args.clip,
         **validation,
     )
     trainer.fit(
@@ -156,7 +159,17 @@ def main(argv=None) -> None:
     torch.save({k: v.cpu() for k, v in model.hf_state_dict().items()}, out / f"weights_rank{rank}.pt")
     (out / f"read_rank{rank}.json").write_text(json.dumps({"read": READ, "owned": sorted(model.hf_state_dict())}))
     if rank == 0:
-        (out / "result.json").write_text(json.dumps({"losses": recorder.losses, "val_losses": recorder.val_losses}))
+        aux: dict[int, float] = {}
+        for records in strategy.stage_stats.values():
+            for record in records:
+                if record.aux_loss == record.aux_loss:  # not NaN: the stage attached an auxiliary loss
+                    aux[record.step] = aux.get(record.step, 0.0) + record.aux_loss
+        result = {
+            "losses": recorder.losses,
+            "val_losses": recorder.val_losses,
+            "aux_losses": [aux[k] for k in sorted(aux)],
+        }
+        (out / "result.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,13 @@ from tests.fixtures.hf_models import (  # noqa: E402
     tiny_causal_lm,
     token_batches,  # noqa: E402
 )
-from tests.unit.models.test_hf_models import hf_twin, materialized  # noqa: E402
+from tests.unit.models.test_hf_models import (  # noqa: E402
+    assert_same_weights,
+    hf_twin,
+    materialized,
+    run_pipeline,
+    single_device,
+)
 
 
 def router_weights(model) -> list[torch.nn.Parameter]:
@@ -119,3 +125,47 @@ def test_without_output_router_logits_it_trains_the_language_model_loss_alone():
     torch.testing.assert_close(
         model.pipeline_loss(output, batch), twin(**batch, labels=batch["input_ids"]).loss, rtol=0, atol=1e-6
     )
+
+
+# --- multi-process pipelines ------------------------------------------------------------------------------
+
+
+def _assert_1f1b_matches_plain_training(tmp_path, family: str, devices: int, *extra: str, clip=None) -> None:
+    steps, microbatches = 6, 2
+    args = ["--family", family, "--devices", str(devices), "--schedule", "1f1b", "--microbatches", str(microbatches)]
+    result, weights, _ = run_pipeline(tmp_path, *args, "--steps", str(steps), *extra)
+    twin = hf_twin(materialized(family))
+    aux: list[float] = []
+    batches = token_batches(steps, padding="--padding" in extra)
+    expected = plain_hf_training(twin, batches, microbatches, aux_losses=aux, clip=clip)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(result["aux_losses"]), torch.tensor(aux), rtol=1e-5, atol=1e-6)
+    final = twin.state_dict()
+    assert sorted(weights) == sorted(final)
+    assert_same_weights(weights, final)
+
+
+@pytest.mark.multiprocess
+def test_1f1b_two_stages_with_padding_and_clipping_equals_plain_hf_training(tmp_path):
+    """Qwen2-MoE (a shared expert, a dense layer between two sparse ones): the routers' totals cross the stage
+    boundary forward and the gradient of their loss crosses it backward."""
+    _assert_1f1b_matches_plain_training(tmp_path, "qwen2_moe", 2, "--padding", "--clip", "0.5", clip=0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_1f1b_three_stages_equals_plain_hf_training(tmp_path):
+    _assert_1f1b_matches_plain_training(tmp_path, "mixtral", 3)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_2bw_two_stages_with_clipping_equals_the_single_device_delayed_path(tmp_path):
+    steps, microbatches = 6, 4
+    args = ["--family", "qwen3_moe", "--devices", "2", "--schedule", "2bw", "--microbatches", str(microbatches)]
+    extra = ["--steps", str(steps), "--clip", "0.5", "--optimizer", "corrected_muon"]
+    result, weights, _ = run_pipeline(tmp_path, *args, *extra)
+    losses, model = single_device("qwen3_moe", "2bw", microbatches, token_batches(steps), gradient_clip_val=0.5)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    assert len(result["aux_losses"]) == steps
+    assert_same_weights(weights, model.hf_state_dict())
