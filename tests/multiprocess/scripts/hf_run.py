@@ -81,8 +81,10 @@ def make_optimizer(name: str):
 
 
 def batches_for(args) -> tuple[list[dict], list[dict]]:
-    """Training batches (the second half longer when --val-every is set) and validation batches."""
-    train = token_batches(args.steps, batch_size=args.batch_size, seq=args.seq, padding=args.padding)
+    """Training batches (the second half longer when --val-every is set; ``steps`` per replica, each replica
+    reading its shard) and validation batches."""
+    replicas = args.devices // (args.pipeline_size or args.devices)
+    train = token_batches(args.steps * replicas, batch_size=args.batch_size, seq=args.seq, padding=args.padding)
     if args.val_every:
         later = token_batches(args.steps, batch_size=args.batch_size, seq=args.seq + 8, seed=1, padding=args.padding)
         train = train[: args.val_every] + later[args.val_every :]
@@ -111,6 +113,8 @@ def main(argv=None) -> None:
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--padding", action="store_true")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--pipeline-size", type=int, default=None, help="stages per replica (default: --devices)")
+    parser.add_argument("--shard-optimizer", action="store_true", help="AsyncPipelineStrategy(shard_optimizer=True)")
     parser.add_argument("--val-every", type=int, default=0, help="validate after this many steps (0: never)")
     parser.add_argument(
         "--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit"
@@ -123,6 +127,8 @@ def main(argv=None) -> None:
     strategy = AsyncPipelineStrategy(
         schedule=args.schedule,
         num_microbatches=args.microbatches,
+        pipeline_parallel_size=args.pipeline_size,
+        shard_optimizer=args.shard_optimizer,
         timeout=__import__("datetime").timedelta(seconds=120),
     )
     recorder = Recorder()
