@@ -80,6 +80,21 @@ def test_one_device_1f1b_equals_plain_hf_training_and_logs_the_routers_loss():
         torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_without_the_strategy_training_step_trains_the_routers_loss_scaled_for_accumulation():
+    """Plain Lightning (``training_step``, two batches accumulated) equals transformers' loop on their union."""
+    steps = 6
+    batches = token_batches(steps * 2, batch_size=4, padding=True)
+    model = tiny_causal_lm("mixtral", optimizer=adamw)
+    twin = hf_twin(materialized("mixtral"))
+    fit(model, batches, max_steps=steps, accumulate_grad_batches=2)
+    union = [{k: torch.cat([a[k], b[k]]) for k in a} for a, b in zip(batches[::2], batches[1::2])]
+    plain_hf_training(twin, union, microbatches=2)
+    final = twin.state_dict()
+    for name, value in model.hf_state_dict().items():
+        torch.testing.assert_close(value, final[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert "train/aux_loss" in model.trainer.callback_metrics
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_a_stage_reads_its_stacked_experts_from_the_per_expert_tensors_save_pretrained_writes(tmp_path, family):
     source = hf_twin(materialized(family))
