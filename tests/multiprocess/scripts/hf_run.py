@@ -4,14 +4,15 @@
         --microbatches 2 --steps 10 --out DIR
 
 Rank 0 writes ``DIR/result.json`` (losses, validation losses, and for a mixture of experts each step's routers'
-loss summed over stages); every rank writes its parameters under their
-``transformers`` names to ``DIR/weights_rank{R}.pt`` and the safetensors keys it read to ``DIR/read_rank{R}.json``.
+loss summed over stages); every rank writes its parameters under their ``transformers`` names to
+``DIR/weights_rank{R}.pt`` and the safetensors keys it read to ``DIR/read_rank{R}.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -168,7 +169,7 @@ def main(argv=None) -> None:
         aux: dict[int, float] = {}
         for records in strategy.stage_stats.values():
             for record in records:
-                if record.aux_loss == record.aux_loss:  # not NaN: the stage attached an auxiliary loss
+                if not math.isnan(record.aux_loss):  # the stage attached an auxiliary loss
                     aux[record.step] = aux.get(record.step, 0.0) + record.aux_loss
         result = {
             "losses": recorder.losses,
