@@ -115,6 +115,22 @@ def test_a_stage_reads_its_stacked_experts_from_the_per_expert_tensors_save_pret
     assert read and all(".layers.1." in key for key in read) and len(read) == len(set(read))
 
 
+def test_a_checkpoint_written_as_a_save_pretrained_folder_loads_in_transformers_and_back(tmp_path):
+    from lightning_async_pp.models.hf import save_pretrained
+
+    model = materialized("qwen2_moe")
+    checkpoint = {"state_dict": model.state_dict()}
+    model.on_save_checkpoint(checkpoint)
+    save_pretrained(checkpoint, tmp_path)
+    expected = model.hf_state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    again = CausalLM(pretrained=str(tmp_path))
+    again.configure_model()
+    assert again.router_loss is not None  # output_router_logits is part of the saved configuration
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value) and torch.equal(again.hf_state_dict()[name], value), name
+
+
 def test_mixture_of_experts_settings_the_adapter_cannot_train_are_refused():
     with pytest.raises(
         ValueError, match="mixture-of-experts model types mixtral, qwen2_moe, qwen3_moe, not model_type='olmoe'"
