@@ -34,8 +34,10 @@ from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.data import refuse_custom_code
+from lightning_async_pp.models.hf_moe import is_moe, refuse_unsupported_moe, route, stored_elsewhere
 from lightning_async_pp.models.hf_structure import attention_types, find_structure, prove_cut, refuse_unsupported
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
+from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
 from lightning_async_pp.runtime.contract import run_layers
 
 try:
@@ -203,7 +205,12 @@ class Head(nn.Module):
         self.lm_head = lm_head
         self.steps = steps
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        if isinstance(hidden, tuple):  # a mixture of experts' router totals follow the logits (hf_moe)
+            return (self._logits(hidden[0]), *hidden[1:])
+        return self._logits(hidden)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
         logits = self.lm_head(self.norm(hidden))
         return logits if self.steps is None else self.steps(logits)
 
@@ -292,6 +299,8 @@ def _read_config(
         checkpoint = SafetensorsFolder(folder)
     else:
         hf_config = AutoConfig.for_model(model_type, **overrides)
+    if is_moe(hf_config):
+        refuse_unsupported_moe(hf_config)
     refuse_unsupported(hf_config)
     return hf_config, checkpoint
 
@@ -311,7 +320,9 @@ class CausalLM(LightningModule):
 
     Args:
         model_type: A ``transformers`` decoder-only model type (``"llama"``, ``"gemma"``, ``"phi3"``, ...: those
-            whose cut passes the proof; docs/user-guide.md section 11 lists the families tried).
+            whose cut passes the proof; docs/user-guide.md section 11 lists the families tried), or a mixture of
+            experts: ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"`` (:mod:`~lightning_async_pp.models.hf_moe`; set
+            ``output_router_logits=True`` to train the routers' load-balancing loss, as in ``transformers``).
         config: Keyword arguments of that model type's configuration class (``LlamaConfig`` etc.), e.g.
             ``hidden_size``, ``num_hidden_layers``. With ``pretrained``, overrides of the saved configuration.
         pretrained: A local folder written by ``save_pretrained`` (``config.json`` and safetensors files).
@@ -330,10 +341,10 @@ class CausalLM(LightningModule):
             the compiled code, once per stage and micro-batch. See :mod:`lightning_async_pp.models.compiling`.
 
     Raises:
-        ValueError: For unsupported architectures (mixture-of-experts, multimodal, cross-attention, a base
-            model without the decoder-only structure, a cut whose logits differ from ``transformers``' own on a
-            small copy: :mod:`~lightning_async_pp.models.hf_structure`), or when neither or both of
-            ``model_type`` and ``pretrained`` are given.
+        ValueError: For unsupported architectures (a mixture of experts outside ``hf_moe.SUPPORTED_MOE``,
+            multimodal, cross-attention, a base model without the decoder-only structure, a cut whose logits
+            differ from ``transformers``' own on a small copy: :mod:`~lightning_async_pp.models.hf_structure`), or
+            when neither or both of ``model_type`` and ``pretrained`` are given.
     """
 
     def __init__(
@@ -372,9 +383,11 @@ class CausalLM(LightningModule):
             bool(self.hf_config.tie_word_embeddings) if hasattr(self.hf_config, "tie_word_embeddings") else False
         )
         self.tied = self.tied and model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        self.layers = nn.ModuleList(_split(model))
+        layers = _split(model)
         self.proof_seconds = prove_cut(self.hf_config, _split)  # before any worker starts; 0 once proved
-        compile_blocks((layer.layer for layer in self.layers if isinstance(layer, DecoderLayer)), compile)
+        compile_blocks((layer.layer for layer in layers if isinstance(layer, DecoderLayer)), compile)
+        layers, self.router_loss = route(layers, model)  # a mixture of experts' decoders carry router totals
+        self.layers = nn.ModuleList(layers)
         hf_names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             hf_names.setdefault(id(param), []).append(name)
@@ -477,6 +490,10 @@ class CausalLM(LightningModule):
                     continue  # the embedding's tensor, loaded with the embedding
                 # On a stage without the embedding, the head's copy reads the embedding's stored tensor.
             key = next((n for n in self._hf_names[name] if n in self.checkpoint), None)
+            hf_name, model_type = self._hf_names[name][0], self.hf_config.model_type
+            if key is None and (experts := stored_elsewhere(self.checkpoint, hf_name, param, model_type)):
+                wanted.update(experts)  # e.g. stacked in memory, stored per expert
+                continue
             if key is None:
                 raise KeyError(
                     f"{self.checkpoint.folder} has no tensor for {self._hf_names[name][0]} (parameter {name}). "
@@ -493,11 +510,15 @@ class CausalLM(LightningModule):
     def pipeline_inputs(self, batch: Any) -> Tensor:
         return _input_ids(batch)
 
-    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+    def pipeline_loss(self, output: Tensor | tuple[Tensor, ...], batch: Any) -> Tensor:
+        """The language-model loss; for a mixture-of-experts model whose output carries the routers' totals
+        (:mod:`~lightning_async_pp.models.hf_moe`), with the load-balancing loss's gradient attached to it."""
+        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:])
         labels = _get(batch, "labels")
         if labels is None:
             labels = _input_ids(batch)
-        return self._hf[0].loss_function(logits=output, labels=labels, vocab_size=self.hf_config.vocab_size)
+        loss = self._hf[0].loss_function(logits=logits, labels=labels, vocab_size=self.hf_config.vocab_size)
+        return loss if totals is None or self.router_loss is None else self.router_loss.attach(loss, totals)
 
     def pipeline_validation_step(self, output: Tensor, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", self.pipeline_loss(output, batch), prog_bar=True)
@@ -506,15 +527,19 @@ class CausalLM(LightningModule):
 
     def forward(self, batch: Any) -> Tensor:
         """Logits of a batch (a dict with ``input_ids``, or a tensor of ids)."""
-        return run_layers(self.layers, _input_ids(batch), batch)
+        output = run_layers(self.layers, _input_ids(batch), batch)
+        return output if isinstance(output, Tensor) else output[0]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self.pipeline_loss(self(batch), batch)
+        with AuxiliaryLosses(1 / self.trainer.accumulate_grad_batches) as aux:
+            loss = self.pipeline_loss(run_layers(self.layers, _input_ids(batch), batch), batch)
         self.log("train/loss", loss, prog_bar=True)
+        if aux.total() is not None:
+            self.log("train/aux_loss", aux.total())
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.pipeline_validation_step(self(batch), batch, batch_idx)
+        self.pipeline_validation_step(run_layers(self.layers, _input_ids(batch), batch), batch, batch_idx)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()

@@ -105,13 +105,9 @@ class Structure:
 
 
 def refuse_unsupported(config: Any) -> None:
-    """Refuse, from the configuration alone, the models whose structure the pipeline cannot carry."""
+    """Refuse, from the configuration alone, the models whose structure the pipeline cannot carry (mixtures of
+    experts are :func:`~lightning_async_pp.models.hf_moe.refuse_unsupported_moe`'s)."""
     model_type = getattr(config, "model_type", None)
-    if any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(
-            f"CausalLM does not support mixture-of-experts models (model_type={model_type!r}): their routers "
-            "need a load-balancing loss and expert placement that the pipeline does not provide."
-        )
     if any(hasattr(config, key) for key in ("vision_config", "audio_config")) or (
         getattr(config, "text_config", None) is not None and config.text_config is not config
     ):
@@ -228,6 +224,8 @@ def narrow_config(config: Any) -> Any:
                 ids = [value] if isinstance(value, int) else list(value)
                 kept = [i for i in ids if i < PROOF_WIDTH["vocab"]]
                 updates[key] = (kept[0] if kept else None) if isinstance(value, int) else (kept or None)
+    if getattr(config, "output_router_logits", False):  # the proof compares logits, not the routers' loss
+        updates["output_router_logits"] = False
     if getattr(config, "sliding_window", None) is not None:
         updates["sliding_window"] = min(config.sliding_window, PROOF_WIDTH["sliding_window"])
     per_layer = _per_layer_attributes(config)

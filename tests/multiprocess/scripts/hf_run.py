@@ -3,14 +3,16 @@
     python -m tests.multiprocess.scripts.hf_run --family llama --devices 2 --schedule 1f1b \
         --microbatches 2 --steps 10 --out DIR
 
-Rank 0 writes ``DIR/result.json`` (losses, validation losses); every rank writes its parameters under their
-``transformers`` names to ``DIR/weights_rank{R}.pt`` and the safetensors keys it read to ``DIR/read_rank{R}.json``.
+Rank 0 writes ``DIR/result.json`` (losses, validation losses, and for a mixture of experts each step's routers'
+loss summed over stages); every rank writes its parameters under their ``transformers`` names to
+``DIR/weights_rank{R}.pt`` and the safetensors keys it read to ``DIR/read_rank{R}.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -80,8 +82,10 @@ def make_optimizer(name: str):
 
 
 def batches_for(args) -> tuple[list[dict], list[dict]]:
-    """Training batches (the second half longer when --val-every is set) and validation batches."""
-    train = token_batches(args.steps, batch_size=args.batch_size, seq=args.seq, padding=args.padding)
+    """Training batches (the second half longer when --val-every is set; ``steps`` per replica, each replica
+    reading its shard) and validation batches."""
+    replicas = args.devices // (args.pipeline_size or args.devices)
+    train = token_batches(args.steps * replicas, batch_size=args.batch_size, seq=args.seq, padding=args.padding)
     if args.val_every:
         later = token_batches(args.steps, batch_size=args.batch_size, seq=args.seq + 8, seed=1, padding=args.padding)
         train = train[: args.val_every] + later[args.val_every :]
@@ -109,6 +113,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--padding", action="store_true")
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--pipeline-size", type=int, default=None, help="stages per replica (default: --devices)")
+    parser.add_argument("--shard-optimizer", action="store_true", help="AsyncPipelineStrategy(shard_optimizer=True)")
     parser.add_argument("--val-every", type=int, default=0, help="validate after this many steps (0: never)")
     parser.add_argument(
         "--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit"
@@ -121,6 +128,8 @@ def main(argv=None) -> None:
     strategy = AsyncPipelineStrategy(
         schedule=args.schedule,
         num_microbatches=args.microbatches,
+        pipeline_parallel_size=args.pipeline_size,
+        shard_optimizer=args.shard_optimizer,
         timeout=__import__("datetime").timedelta(seconds=120),
     )
     recorder = Recorder()
@@ -141,6 +150,7 @@ def main(argv=None) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[recorder],
+        gradient_clip_val=args.clip,
         **validation,
     )
     trainer.fit(
@@ -156,7 +166,17 @@ def main(argv=None) -> None:
     torch.save({k: v.cpu() for k, v in model.hf_state_dict().items()}, out / f"weights_rank{rank}.pt")
     (out / f"read_rank{rank}.json").write_text(json.dumps({"read": READ, "owned": sorted(model.hf_state_dict())}))
     if rank == 0:
-        (out / "result.json").write_text(json.dumps({"losses": recorder.losses, "val_losses": recorder.val_losses}))
+        aux: dict[int, float] = {}
+        for records in strategy.stage_stats.values():
+            for record in records:
+                if not math.isnan(record.aux_loss):  # the stage attached an auxiliary loss
+                    aux[record.step] = aux.get(record.step, 0.0) + record.aux_loss
+        result = {
+            "losses": recorder.losses,
+            "val_losses": recorder.val_losses,
+            "aux_losses": [aux[k] for k in sorted(aux)],
+        }
+        (out / "result.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
