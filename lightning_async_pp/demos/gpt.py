@@ -308,11 +308,12 @@ class GPT(PipelineModule):
         """What ``configure_optimizers`` hands the optimizer: ``named_parameters()`` pairs, or with experts
         two groups of them, the routers' weights in the second with ``"use_muon": False``.
 
-        A router's ``(n_experts, n_embd)`` weight is 2-D, so :class:`~lightning_async_pp.optim.Muon` would
-        orthogonalize it, but it is an output layer over a handful of choices, like the head: orthogonalizing
-        its update gives every expert's logit direction the same step size whatever its gradient, which is what
-        the softmax over experts is most sensitive to. It goes to Muon's AdamW part, as the head does; other
-        optimizers ignore the group's ``use_muon`` key.
+        A router's ``(n_experts, n_embd)`` weight is 2-D and no default name pattern of
+        :class:`~lightning_async_pp.optim.Muon` matches it, so Muon would orthogonalize it. But, like the
+        output head, it produces logits over a handful of choices, not hidden features: orthogonalizing its
+        update (``n_experts`` orthonormal rows) would give every expert's row the same step, whatever its
+        gradient: a rarely chosen expert's scores would move as fast as a busy one's. So it goes to Muon's AdamW part, as the
+        head does. Other optimizers ignore the group's ``use_muon`` key.
         """
         routers = {id(m.router.weight) for m in self.modules() if isinstance(m, MoE)}
         named = list(self.named_parameters())
