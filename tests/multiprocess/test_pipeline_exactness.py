@@ -224,7 +224,8 @@ def plain_accumulated(microbatches: int, steps: int, optimizer: str):
         for i in range(microbatches)
     ]
     losses = fit(model, parts, max_steps=steps, accumulate_grad_batches=microbatches)
-    step_losses = [sum(losses[i : i + microbatches]) / microbatches for i in range(0, len(losses), microbatches)]
+    # Lightning reports each micro-batch's loss divided by accumulate_grad_batches: a step's loss is their sum.
+    step_losses = [sum(losses[i : i + microbatches]) for i in range(0, len(losses), microbatches)]
     return step_losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
