@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_async_pp.runtime import activations
 from lightning_async_pp.runtime.activations import Spec
+from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
 from lightning_async_pp.runtime.casts import WeightCasts, autocast_dtype
 from lightning_async_pp.runtime.comm import Channel
 from lightning_async_pp.runtime.contract import StageModule
@@ -210,6 +211,7 @@ class StageRuntime:
         self._input_grads: dict[Key, list[Tensor]] = {}
         self._structures = activations.LinkStructures(self.stage)
         self._losses: dict[int, list[Tensor]] = {}
+        self._aux: list[Tensor] = []  # the auxiliary losses of each forward of the running step on this stage
         self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
         self._order: DataOrderLink | None = None
         if self.check_data_order and self.num_stages > 1 and self.optimizer is not None:  # training only
@@ -274,6 +276,7 @@ class StageRuntime:
             self.run_start = step
             self.forget_layouts()  # evaluation may have sent other shapes since the last run
         self.timer.begin_step(step)
+        self._aux = []  # forwards of a flush are not part of the step
         self.updates.hyperparameters.observe(step)
         self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
         if self._order is not None:
@@ -288,7 +291,8 @@ class StageRuntime:
             if self.check_finite:
                 self._finite_checks.append(FiniteCheck(losses, step, self.stage))
             loss = losses.mean()
-        self.timer.end_step(self.updates.version_lag())
+        aux, self._aux = self._aux, []
+        self.timer.end_step(self.updates.version_lag(), torch.stack(aux).mean() if aux else None)
         return loss, self.timer.pop_ready()
 
     def take_stats(self) -> list[StepStats]:
@@ -403,12 +407,14 @@ class StageRuntime:
             x, x_spec = self._received.pop(key)
             activations.with_grad_inputs(x, x_spec)
         weights = self.weights.pin(a.step, a.version)
-        with self.forward_context():
+        with self.forward_context(), AuxiliaryLosses(1 / self.num_microbatches) as aux:
             with self._swap(weights), self._casts(weights, a.version):
                 y = self.module(x, microbatch)
             if self.is_last:
                 y = self.loss_fn(y, microbatch)
                 self._losses.setdefault(a.step, []).append(y.detach())
+        if (aux_total := aux.total()) is not None:
+            self._aux.append(aux_total)
         y_spec = None if self.is_last else activations.flatten(y)[1]
         self._inflight[key] = (x, x_spec, y, y_spec)
         self._pinned[key] = weights

@@ -26,7 +26,7 @@ from torch import Tensor
 from lightning_async_pp.files import atomic_write_text
 from lightning_async_pp.schedule import Action, Op
 
-FIELDS = ("step", "wall", "forward", "backward", "wait", "update", "version_lag")
+FIELDS = ("step", "wall", "forward", "backward", "wait", "update", "version_lag", "aux_loss")
 _TIMED = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.RECV_F: "wait", Op.RECV_B: "wait", Op.UPDATE: "update"}
 
 
@@ -41,6 +41,9 @@ class StepStats:
     wait: float = 0.0
     update: float = 0.0
     version_lag: int = 0
+    aux_loss: float = math.nan
+    """Mean over the step's forwards of the auxiliary losses recorded on the stage (NaN: none); see
+    :mod:`~lightning_async_pp.runtime.auxiliary`."""
 
     @property
     def bubble_fraction(self) -> float:
@@ -103,6 +106,7 @@ class _StepTiming:
     start: Any
     end: Any = None
     actions: list[tuple[str | None, Action, Any, Any]] = field(default_factory=list)
+    aux_loss: Tensor | None = None  # host memory, filled by a copy queued before `end`
 
 
 class StepTimer:
@@ -144,10 +148,20 @@ class StepTimer:
             stats.forward = stats.backward = stats.wait = stats.update = math.nan
         self._step = _StepTiming(stats, self.clock.mark())
 
-    def end_step(self, version_lag: int) -> None:
-        """Close the step :meth:`begin_step` opened; read what the device has finished."""
+    def end_step(self, version_lag: int, aux_loss: Tensor | None = None) -> None:
+        """Close the step :meth:`begin_step` opened; read what the device has finished.
+
+        Args:
+            version_lag: The stage's version lag after the step.
+            aux_loss: The step's auxiliary loss on the stage (a device scalar): copied to host memory without
+                blocking, read with the step's clock marks.
+        """
         timing, self._step = self._step, None
         assert timing is not None and timing.stats is not None
+        if aux_loss is not None:
+            on_cuda = aux_loss.is_cuda
+            timing.aux_loss = torch.empty((), dtype=torch.float64, pin_memory=on_cuda)
+            timing.aux_loss.copy_(aux_loss.detach(), non_blocking=on_cuda)
         timing.end = self.clock.mark()
         timing.stats.version_lag = version_lag
         self._timings.append(timing)
@@ -179,6 +193,8 @@ class StepTimer:
                 clock.release(end)
             if stats is not None:  # (a record of no step holds one action's marks, released above)
                 stats.wall = clock.seconds(timing.start, timing.end)
+                if timing.aux_loss is not None:  # host memory, written before the end mark: no device sync
+                    stats.aux_loss = float(timing.aux_loss)
                 self._ready.append(stats)
                 clock.release(timing.start)
                 clock.release(timing.end)

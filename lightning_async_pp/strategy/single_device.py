@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_async_pp.reference.delayed import DelayedWeights
+from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
 from lightning_async_pp.runtime.casts import WeightCasts, autocast_dtype
 from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipeline_module, run_layers
 from lightning_async_pp.runtime.microbatch import split_microbatches
@@ -39,14 +40,21 @@ def microbatch_losses(
     batch: Any,
     num_microbatches: int,
     around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    aux_losses: list[Tensor] | None = None,
 ) -> list[Tensor]:
     """The loss of each of ``num_microbatches`` micro-batches of ``batch``, each through the whole model, each
-    forward inside ``around()``."""
+    forward inside ``around()``.
+
+    Auxiliary losses the layers attach are scaled as a stage's (``1/num_microbatches``); each micro-batch's
+    total is appended to ``aux_losses`` when given (see :mod:`~lightning_async_pp.runtime.auxiliary`).
+    """
     layers = module.pipeline_layers()
     losses = []
     for mb in split_microbatches(batch, num_microbatches):
-        with around():
+        with around(), AuxiliaryLosses(1 / num_microbatches) as aux:
             losses.append(module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb))
+        if aux_losses is not None and (total := aux.total()) is not None:
+            aux_losses.append(total)
     return losses
 
 
@@ -93,8 +101,11 @@ class SingleDevice:
         if self._casts is None:
             self._casts = shared_casts(module, precision_plugin)
         around = self._casts()  # the step's forwards share one cast of each weight
+        aux: list[Tensor] = []
         with precision_plugin.train_step_context():
-            self.losses = microbatch_losses(module, batch, num_microbatches, around)
+            self.losses = microbatch_losses(module, batch, num_microbatches, around, aux)
+        if aux:
+            module.log("train/aux_loss", torch.stack(aux).mean(), on_step=True, on_epoch=False)
         losses = torch.stack([loss.detach() for loss in self.losses])
         check_finite_losses(losses, module.trainer.global_step, stage=0)
         loss = torch.stack(self.losses).mean()

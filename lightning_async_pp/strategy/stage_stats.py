@@ -26,8 +26,9 @@ class StageStatistics:
 
     Logged per stage: ``pipeline/stage{s}/bubble_fraction``, ``forward_sec``, ``backward_sec``, ``wait_sec``,
     ``update_sec`` and ``version_lag``; once every stage reported a logged step, ``pipeline/bubble_fraction``
-    (their mean). With the strategy's ``stage_timing=False`` the runtime times steps, not actions: only
-    ``version_lag`` is logged then.
+    (their mean), and ``train/aux_loss`` (the sum over stages of their auxiliary losses, when a layer attaches
+    any: :mod:`~lightning_async_pp.runtime.auxiliary`). With the strategy's ``stage_timing=False`` the runtime
+    times steps, not actions: only ``version_lag`` (and ``train/aux_loss``) is logged then.
 
     Args:
         num_stages: Stages of one pipeline.
@@ -116,6 +117,9 @@ class StageStatistics:
             metrics["pipeline/bubble_fraction"] = (
                 sum(r.bubble_fraction for r in step_records.values()) / self.num_stages
             )
+            aux = [r.aux_loss for r in step_records.values() if not math.isnan(r.aux_loss)]
+            if aux:  # the routers' load-balancing losses of every stage (runtime.auxiliary)
+                metrics["train/aux_loss"] = sum(aux)
         metrics = {name: value for name, value in metrics.items() if not math.isnan(value)}  # stage_timing=False
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=stats.step)

@@ -66,3 +66,14 @@ def test_the_strategy_exposes_rank_zeros_records():
     strategy._stage = SimpleNamespace(stats=stats)  # what the strategy reads of its placed PipelineStage
     stats.record(1, StepStats(step=0, wall=1.0), trainer_with(Logger(), 1))
     assert list(strategy.stage_stats) == [1]
+
+
+def test_the_auxiliary_loss_is_summed_over_the_stages_that_have_one():
+    logger = Logger()
+    stats, trainer = StageStatistics(num_stages=3), trainer_with(logger, 1)
+    for stage, aux in ((0, 0.5), (1, float("nan")), (2, 0.25)):
+        stats.record(stage, StepStats(step=0, wall=1.0, aux_loss=aux), trainer)
+    stats.record(0, StepStats(step=1, wall=1.0), trainer)  # no stage attached one: nothing logged
+    stats.record(1, StepStats(step=1, wall=1.0), trainer)
+    stats.record(2, StepStats(step=1, wall=1.0), trainer)
+    assert [m.get("train/aux_loss") for m in logger.metrics] == [None, None, 0.75, None, None, None]
