@@ -66,8 +66,8 @@ def _add_protocol_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--moe",
         action="store_true",
-        help="the mixture-of-experts protocol: the default GPT with 4 experts (2 per token) in each block, seeds"
-        " 0 1 2, AdamW and Muon at their fallback learning rates, sync, delayed, delayed + c=1; explicit"
+        help="the mixture-of-experts protocol: a GPT of 2 blocks of width 64, each with 4 experts (2 per token),"
+        " seeds 0 1 2, AdamW and Muon at their fallback learning rates, sync, delayed, delayed + c=1; explicit"
         " options override these settings",
     )
     p.add_argument("--steps", type=int, default=None)

@@ -312,8 +312,8 @@ class GPT(PipelineModule):
         :class:`~lightning_async_pp.optim.Muon` matches it, so Muon would orthogonalize it. But, like the
         output head, it produces logits over a handful of choices, not hidden features: orthogonalizing its
         update (``n_experts`` orthonormal rows) would give every expert's row the same step, whatever its
-        gradient: a rarely chosen expert's scores would move as fast as a busy one's. So it goes to Muon's AdamW part, as the
-        head does. Other optimizers ignore the group's ``use_muon`` key.
+        gradient: a rarely chosen expert's scores would move as fast as a busy one's. So it goes to Muon's
+        AdamW part, as the head does. Other optimizers ignore the group's ``use_muon`` key.
         """
         routers = {id(m.router.weight) for m in self.modules() if isinstance(m, MoE)}
         named = list(self.named_parameters())
@@ -323,7 +323,7 @@ class GPT(PipelineModule):
             {"params": [(n, p) for n, p in named if id(p) not in routers]},
             {"params": [(n, p) for n, p in named if id(p) in routers], "use_muon": False},
         ]
-        # A pipeline stage may hold no router (or nothing else): torch optimizers refuse an empty group.
+        # A pipeline stage without a router (the embedding's, the head's) gets one group, as a dense model does.
         return [group for group in groups if group["params"]]
 
     def configure_optimizers(self) -> Any:
