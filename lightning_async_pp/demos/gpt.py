@@ -34,7 +34,7 @@ from torchmetrics.text import Perplexity
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.module import PipelineModule
-from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses, attach_auxiliary_loss
+from lightning_async_pp.runtime.auxiliary import attach_auxiliary_loss
 
 Batch = tuple[Tensor, Tensor]
 
@@ -281,20 +281,6 @@ class GPT(PipelineModule):
         perplexity.update(logits.float(), batch[1])
         self.log(f"{prefix}/loss", loss, prog_bar=prefix == "val")
         self.log(f"{prefix}/perplexity", perplexity)
-
-    # --- training without the strategy --------------------------------------------------------------
-
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        """The loss of ``batch``, logged as ``train/loss``, and the routers' load-balancing loss as
-        ``train/aux_loss`` (``AsyncPipelineStrategy`` runs the layers itself and logs both the same way)."""
-        # Lightning divides the loss by accumulate_grad_batches before backward: the attached losses are
-        # scaled the same way, as the strategy scales them by 1 / micro-batches.
-        with AuxiliaryLosses(1 / self.trainer.accumulate_grad_batches) as aux:
-            loss = super().training_step(batch, batch_idx)
-        total = aux.total()
-        if total is not None:
-            self.log("train/aux_loss", total, on_step=True, on_epoch=False)
-        return loss
 
     # --- logging ------------------------------------------------------------------------------------
 
