@@ -112,8 +112,8 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(k, dim=-1)
         # The N * k assignments, sorted by expert (stable: in token order within an expert).
         order = chosen.reshape(-1).argsort(stable=True)
-        counts = torch.bincount(chosen.reshape(-1), minlength=n_experts)
-        inputs = tokens.index_select(0, order // k).split(counts.tolist())
+        counts = (chosen.reshape(-1, 1) == torch.arange(n_experts, device=x.device)).sum(dim=0)
+        inputs = tokens.index_select(0, order // k).split(self.expert_sizes(counts, chosen.numel()))
         outputs = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, inputs)])
         # Back to (token, slot) order: assignment order[i]'s output is outputs[i].
         per_slot = torch.empty_like(outputs).index_copy(0, order, outputs).view(-1, k, tokens.shape[-1])
@@ -121,6 +121,20 @@ class MoE(nn.Module):
         share = counts.float() / chosen.numel()
         balance = n_experts * (share * probs.mean(dim=0)).sum()
         return attach_auxiliary_loss(y, balance, weight=self.aux_loss_coef)
+
+    @staticmethod
+    def expert_sizes(counts: Tensor, total: int) -> list[int]:
+        """How many of the ``total`` assignments each expert gets, read from ``counts``.
+
+        A forward traced on fake tensors (the ``plan`` command's and the FLOP counter's measurements) has no
+        counts to read: it takes the even split that the load-balancing loss aims for, which has the same
+        total size and the same FLOPs as any other split.
+        """
+        try:
+            return counts.tolist()
+        except RuntimeError:  # torch's DataDependentOutputException: a fake tensor holds no values
+            share, extra = divmod(total, len(counts))
+            return [share + (e < extra) for e in range(len(counts))]
 
 
 class Block(nn.Module):

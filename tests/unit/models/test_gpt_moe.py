@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_async_pp.demos.gpt import GPT, MoE
 from lightning_async_pp.optim import Muon
@@ -151,3 +152,18 @@ def test_cross_entropy_of_a_mixture_runs_under_bf16_autocast():
         loss = F.cross_entropy(model(batch[0]).reshape(-1, 256).float(), batch[1].reshape(-1))
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_the_plan_command_measures_a_mixture_on_fake_tensors(capsys):
+    """The planner traces the model on fake tensors, which hold no routing counts: an even split stands in."""
+    import json
+
+    from lightning_async_pp.cli import main
+
+    assert main(["plan", "--config", str(ROOT / "examples/configs/gpt_moe.yaml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = GPT(n_layer=4, n_embd=96, n_head=4, block_size=64, n_experts=4, experts_per_token=2)
+    assert report["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert MoE.expert_sizes(torch.tensor([3, 0, 5]), 8) == [3, 0, 5]
+    with FakeTensorMode():
+        assert MoE.expert_sizes(torch.zeros(3, dtype=torch.long), 8) == [3, 3, 2]
