@@ -4,7 +4,8 @@ A subclass implements the pipeline contract (see :mod:`lightning_async_pp.runtim
 ``configure_optimizers``; everything Lightning calls is derived from it:
 
 - ``forward(x)`` runs ``pipeline_layers()`` in order;
-- ``training_step`` computes ``pipeline_loss(forward(pipeline_inputs(batch)), batch)`` and logs ``train/loss``;
+- ``training_step`` computes ``pipeline_loss(forward(pipeline_inputs(batch)), batch)`` and logs ``train/loss``,
+  and ``train/aux_loss`` when layers attach auxiliary losses (:mod:`lightning_async_pp.runtime.auxiliary`);
 - ``validation_step``, ``test_step`` and ``predict_step`` run the layers and hand the last layer's output to
   ``pipeline_validation_step``, ``pipeline_test_step`` and ``pipeline_predict_step``: by default they log
   ``val/loss`` and ``test/loss`` from ``pipeline_loss`` and return the output as the prediction.
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
 from lightning_async_pp.runtime.contract import run_layers
 
 __all__ = ["PipelineModule", "pipeline_evaluation_step"]
@@ -101,9 +103,17 @@ class PipelineModule(LightningModule):
         return run_layers(self.pipeline_layers(), x, batch)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        """The loss of ``batch``, logged as ``train/loss`` (what ``AsyncPipelineStrategy`` logs, too)."""
-        loss = self.pipeline_loss(self(self.pipeline_inputs(batch), batch), batch)
+        """The loss of ``batch``, logged as ``train/loss``, and the sum of the auxiliary losses the layers
+        attached (a router's load-balancing loss), as ``train/aux_loss``: what ``AsyncPipelineStrategy``
+        logs, too."""
+        # Lightning divides the loss by accumulate_grad_batches before the backward: the attached losses are
+        # scaled alike, as the strategy scales both by 1 / micro-batches. (Called without a trainer: 1.)
+        accumulated = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        with AuxiliaryLosses(1 / accumulated) as aux:
+            loss = self.pipeline_loss(self(self.pipeline_inputs(batch), batch), batch)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        if (total := aux.total()) is not None:
+            self.log("train/aux_loss", total, on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Any:

@@ -29,6 +29,12 @@ four optimizers x the four modes, at the synchronous-best and the delayed-best l
 optimizer's grid (3 points, 4 for Muon; 66 to 106 distinct runs).
 ``--extended --quick`` runs the same code paths on a tiny model for a few steps in this process, in seconds.
 
+``--moe`` is the paper's largest run (a mixture-of-experts model) in miniature: the demo GPT with 2 blocks of
+width 64, each with 4 expert MLPs of which the router picks 2 per token (``GPT(n_experts=4,
+experts_per_token=2, aux_loss_coef=0.01)``; ``--n-experts``, ``--experts-per-token`` and ``--aux-loss-coef``
+set them for any protocol), AdamW and Muon at their fallback learning rates, seeds 0 1 2, the three main
+modes (18 runs). Each run also records the routers' load-balancing loss of every step (``aux_loss``).
+
 Protocol (as in the paper): the demo GPT (byte level, ~0.9M parameters), cosine decay to 10% of the peak
 learning rate after 10% linear warm-up, gradient clipping 1.0, weight decay 0.1. The learning rate of each
 optimizer is the best of its grid (``--lr-grid-adamw``, ``--lr-grid-muon``) for its *synchronous* run (first
@@ -53,6 +59,7 @@ Usage (from the repository's root)::
     python -m benchmarks.delay_gap --quick --out /tmp/delay_gap_quick.json                        # 6 runs
     nice -n 19 python -m benchmarks.delay_gap --extended --out benchmarks/results/delay_gap/delay_gap_extended.json
     python -m benchmarks.delay_gap --extended --quick --out /tmp/delay_gap_extended_quick.json    # seconds
+    nice -n 5 python -m benchmarks.delay_gap --moe --out benchmarks/results/delay_gap/delay_gap_moe.json
 
 A 300-step run takes about 70 s on an idle core (more on a shared machine); see docs/results.md for the
 measured times.

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .spec import ROOT, RunSpec, portable_path
+from .spec import MOE_FIELDS, ROOT, RunSpec, portable_path
 
 
 class Runner:
@@ -109,9 +109,10 @@ def reuse_runs(runner: Runner, reports: list[str], corpus: str | None) -> int:
     added = 0
     for report in reports:
         for run in json.loads(Path(report).read_text())["runs"]:
-            if run.get("corpus") != portable_path(corpus) or fields - {"corpus"} - set(run):
+            # Runs recorded before the experts' fields existed are dense runs: they take the defaults.
+            if run.get("corpus") != portable_path(corpus) or fields - {"corpus", *MOE_FIELDS} - set(run):
                 continue
-            spec = RunSpec(**{**{k: run[k] for k in fields - {"corpus"}}, "corpus": corpus})
+            spec = RunSpec(**{**{k: run[k] for k in fields - {"corpus"} if k in run}, "corpus": corpus})
             path = runner.result_path(spec)
             if not path.exists():
                 result = {k: v for k, v in run.items() if k not in ("kind", "run_id")}

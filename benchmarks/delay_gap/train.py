@@ -72,6 +72,9 @@ def build_model(spec: RunSpec) -> GPT:
         lr_schedule="cosine",
         warmup_fraction=spec.warmup_fraction,
         min_lr_ratio=spec.min_lr_ratio,
+        n_experts=spec.n_experts,
+        experts_per_token=spec.experts_per_token,
+        aux_loss_coef=spec.aux_loss_coef,
     )
     if spec.mode in PROFILE_MODES:
         if spec.mode != "pipedream" and spec.optimizer != "muon":
@@ -93,12 +96,16 @@ class Recorder(Callback):
         self.spec = spec
         self.names = names
         self.train_loss: list[float] = []
+        self.aux_loss: list[float] = []  # runs with experts: the routers' load-balancing loss of every step
         self.val_curve: list[list[float]] = []
         self.auto_curve: list[list[float]] = []  # [step, min, median, max] of the automatic coefficients
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         value = trainer.callback_metrics.get("train/loss")
         self.train_loss.append(float(value) if value is not None else float("nan"))
+        if self.spec.n_experts:
+            aux = trainer.callback_metrics.get("train/aux_loss")
+            self.aux_loss.append(float(aux) if aux is not None else float("nan"))
         if self.spec.mode == "delayed_auto":
             values = sorted(auto_coefficients(trainer.optimizers[0], self.names).values())
             if values and trainer.global_step % self.spec.val_every == 0:
@@ -188,6 +195,7 @@ def _result(spec: RunSpec, model: LightningModule, trainer: Trainer, recorder: R
         "diverged": diverged,
         "val_curve": [[s, v if math.isfinite(v) else None] for s, v in recorder.val_curve],
         "train_loss": [_round(v) for v in recorder.train_loss],
+        "aux_loss": [_round(v) for v in recorder.aux_loss] if spec.n_experts else None,
         "wall_s": round(wall, 2),
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens": spec.steps * spec.batch_size * spec.block_size,

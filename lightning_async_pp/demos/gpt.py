@@ -9,6 +9,13 @@ that the strategy keeps identical (see :mod:`lightning_async_pp.runtime.ties`).
 
 Every layer is initialised from its own seed (``init_seed + layer index``), so a stage that builds only its
 own layers gets exactly the weights the whole model would have.
+
+With ``n_experts > 0`` each block's MLP is a mixture of experts (:class:`MoE`): a router picks
+``experts_per_token`` of ``n_experts`` MLPs for each token, and a load-balancing loss keeps the router from
+sending every token to the same few. That loss is attached to the block's output
+(:func:`~lightning_async_pp.runtime.auxiliary.attach_auxiliary_loss`), so its gradient joins the backward
+on the stage that holds the router and no loss value travels down the pipeline. Every expert of a block lives
+on that block's stage (no expert parallelism).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torchmetrics.text import Perplexity
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.module import PipelineModule
+from lightning_async_pp.runtime.auxiliary import attach_auxiliary_loss
 
 Batch = tuple[Tensor, Tensor]
 
@@ -61,15 +69,85 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: attention and a 4x MLP, each on a residual branch."""
+def mlp(n_embd: int) -> nn.Sequential:
+    """The 4x MLP of a dense block, and of each expert of a mixture."""
+    return nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
 
-    def __init__(self, n_embd: int, n_head: int) -> None:
+
+class MoE(nn.Module):
+    """A mixture of ``n_experts`` MLPs, ``experts_per_token`` of them per token, with a load-balancing loss.
+
+    Routing: a softmax over all experts of the router's logits; each token goes to its ``experts_per_token``
+    most probable experts, whose outputs are weighted by those probabilities as they are (not renormalised
+    over the chosen ones, as in the Switch Transformer and Qwen2-MoE's default), so the router also learns
+    from the language-model loss when one expert is chosen per token.
+
+    Each expert is its own module (Muon orthogonalizes each expert's matrices as separate matrices). An expert
+    runs once on the tokens routed to it, gathered in a stable order, and the outputs return to their tokens
+    by index, so the result and its gradient do not depend on thread timing.
+
+    Load balancing (Switch Transformer, Megatron-LM): ``n_experts * sum_e f_e * P_e`` over the tokens of the
+    micro-batch, where ``f_e`` is the share of the token-expert assignments that went to expert ``e`` and
+    ``P_e`` the mean router probability of ``e``; it is 1 when routing is uniform. Its gradient, times
+    ``aux_loss_coef``, is attached to the output.
+
+    Args:
+        n_embd: Width of the residual stream.
+        n_experts: Number of experts.
+        experts_per_token: Experts each token is sent to (top-k).
+        aux_loss_coef: Weight of the load-balancing loss in the training objective.
+    """
+
+    def __init__(self, n_embd: int, n_experts: int, experts_per_token: int, aux_loss_coef: float) -> None:
+        super().__init__()
+        self.experts_per_token = experts_per_token
+        self.aux_loss_coef = aux_loss_coef
+        self.router = nn.Linear(n_embd, n_experts, bias=False)
+        self.experts = nn.ModuleList([mlp(n_embd) for _ in range(n_experts)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        n_experts, k = len(self.experts), self.experts_per_token
+        probs = self.router(tokens).float().softmax(dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)
+        # The N * k assignments, sorted by expert (stable: in token order within an expert).
+        order = chosen.reshape(-1).argsort(stable=True)
+        counts = (chosen.reshape(-1, 1) == torch.arange(n_experts, device=x.device)).sum(dim=0)
+        inputs = tokens.index_select(0, order // k).split(self.expert_sizes(counts, chosen.numel()))
+        outputs = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, inputs)])
+        # Back to (token, slot) order: assignment order[i]'s output is outputs[i].
+        per_slot = torch.empty_like(outputs).index_copy(0, order, outputs).view(-1, k, tokens.shape[-1])
+        y = (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(dim=1).view_as(x)
+        share = counts.float() / chosen.numel()
+        balance = n_experts * (share * probs.mean(dim=0)).sum()
+        return attach_auxiliary_loss(y, balance, weight=self.aux_loss_coef)
+
+    @staticmethod
+    def expert_sizes(counts: Tensor, total: int) -> list[int]:
+        """How many of the ``total`` assignments each expert gets, read from ``counts``.
+
+        A forward traced on fake tensors (the ``plan`` command's and the FLOP counter's measurements) has no
+        counts to read: it takes the even split that the load-balancing loss aims for, which has the same
+        total size and the same FLOPs as any other split.
+        """
+        try:
+            return counts.tolist()
+        except RuntimeError:  # torch's DataDependentOutputException: a fake tensor holds no values
+            share, extra = divmod(total, len(counts))
+            return [share + (e < extra) for e in range(len(counts))]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and a 4x MLP (or a mixture of them), each on a residual branch."""
+
+    def __init__(
+        self, n_embd: int, n_head: int, n_experts: int = 0, experts_per_token: int = 2, aux_loss_coef: float = 0.01
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.mlp = MoE(n_embd, n_experts, experts_per_token, aux_loss_coef) if n_experts else mlp(n_embd)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
@@ -136,6 +214,11 @@ class GPT(PipelineModule):
         compile: Compile each transformer block with ``torch.compile``, in place (parameter names and
             checkpoints are unchanged): ``True`` for its defaults (inductor), or a dict of its keyword
             arguments (``{"backend": "aot_eager"}``). See :mod:`lightning_async_pp.models.compiling`.
+        n_experts: ``0``: each block has one MLP. Otherwise each block's MLP is a mixture of this many
+            experts (:class:`MoE`), each the size of the dense MLP.
+        experts_per_token: Experts each token is sent to (top-k), at most ``n_experts``.
+        aux_loss_coef: Weight of the routers' load-balancing loss, which trains with the language-model loss
+            and is logged as ``train/aux_loss`` (the sum over blocks, without this weight).
     """
 
     def __init__(
@@ -152,13 +235,21 @@ class GPT(PipelineModule):
         min_lr_ratio: float = 0.1,
         tie_weights: bool = False,
         compile: CompileOption = False,
+        n_experts: int = 0,
+        experts_per_token: int = 2,
+        aux_loss_coef: float = 0.01,
     ) -> None:
         super().__init__()
+        if n_experts < 0 or (n_experts and not 1 <= experts_per_token <= n_experts):
+            raise ValueError(
+                f"Got n_experts={n_experts} and experts_per_token={experts_per_token}: n_experts must be 0 (dense"
+                " MLPs) or positive, and experts_per_token between 1 and n_experts."
+            )
         self.save_hyperparameters(ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.layers = nn.ModuleList(
             [Embedding(vocab_size, block_size, n_embd)]
-            + [Block(n_embd, n_head) for _ in range(n_layer)]
+            + [Block(n_embd, n_head, n_experts, experts_per_token, aux_loss_coef) for _ in range(n_layer)]
             + [Head(n_embd, vocab_size)]
         )
         if tie_weights:
@@ -213,9 +304,31 @@ class GPT(PipelineModule):
     def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
         log_lr_and_throughput(self, batch[0].numel(), self._batch_start)
 
+    def optimizer_parameters(self) -> list[tuple[str, Tensor]] | list[dict[str, Any]]:
+        """What ``configure_optimizers`` hands the optimizer: ``named_parameters()`` pairs, or with experts
+        two groups of them, the routers' weights in the second with ``"use_muon": False``.
+
+        A router's ``(n_experts, n_embd)`` weight is 2-D and no default name pattern of
+        :class:`~lightning_async_pp.optim.Muon` matches it, so Muon would orthogonalize it. But, like the
+        output head, it produces logits over a handful of choices, not hidden features: orthogonalizing its
+        update (``n_experts`` orthonormal rows) would give every expert's row the same step, whatever its
+        gradient: a rarely chosen expert's scores would move as fast as a busy one's. So it goes to Muon's
+        AdamW part, as the head does. Other optimizers ignore the group's ``use_muon`` key.
+        """
+        routers = {id(m.router.weight) for m in self.modules() if isinstance(m, MoE)}
+        named = list(self.named_parameters())
+        if not routers:
+            return named
+        groups = [
+            {"params": [(n, p) for n, p in named if id(p) not in routers]},
+            {"params": [(n, p) for n, p in named if id(p) in routers], "use_muon": False},
+        ]
+        # A pipeline stage without a router (the embedding's, the head's) gets one group, as a dense model does.
+        return [group for group in groups if group["params"]]
+
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
-            optimizer = torch.optim.AdamW(self.named_parameters(), lr=1e-3, weight_decay=0.1)
+            optimizer = torch.optim.AdamW(self.optimizer_parameters(), lr=1e-3, weight_decay=0.1)
         else:
-            optimizer = self.optimizer_factory(self.named_parameters())
+            optimizer = self.optimizer_factory(self.optimizer_parameters())
         return with_lr_schedule(optimizer, self)

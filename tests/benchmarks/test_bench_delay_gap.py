@@ -336,3 +336,26 @@ def test_reuse_continues_a_protocol_from_its_report_in_another_work_dir(bench, t
         ]
     )
     assert other["runs_from_cache"] == 0
+
+
+def test_moe_runs_train_experts_and_record_their_balance_loss(bench, tmp_path):
+    common = [*TINY, "--optimizers", "muon", "--lr-muon", "3e-3", "--depths", "--momenta"]
+    moe = bench.main([*common, "--moe", "--modes", "delayed", "--out", str(tmp_path / "moe.json")])
+    assert moe["config"]["n_experts"] == 4 and moe["config"]["experts_per_token"] == 2
+    dense = bench.main([*common, "--modes", "sync", "--out", str(tmp_path / "dense.json")])
+    (dense_run,) = dense["runs"]
+    assert dense_run["n_experts"] == 0 and dense_run["aux_loss"] is None
+    for run in moe["runs"]:
+        assert run["n_experts"] == 4 and run["parameters"] > dense_run["parameters"]
+        # One block's balance loss per step: about 1 while routing is near uniform.
+        assert len(run["aux_loss"]) == 4 and all(0.5 < value < 2 for value in run["aux_loss"])
+    table = (tmp_path / "moe.md").read_text()
+    assert "2 of 4 experts per token" in table and "sync 1.906" in table
+    # A dense run recorded before the experts' fields existed is reused under the same key.
+    older = {k: v for k, v in dense_run.items() if k not in ("n_experts", "experts_per_token", "aux_loss_coef")}
+    (tmp_path / "older.json").write_text(json.dumps({"runs": [older]}))
+    again = bench.main(
+        [*common, "--modes", "sync", "--out", str(tmp_path / "again.json"), "--work-dir", str(tmp_path / "again")]
+        + ["--reuse", str(tmp_path / "older.json")]
+    )
+    assert again["runs_from_cache"] == 1 and again["runs"][0]["run_id"] == dense_run["run_id"]

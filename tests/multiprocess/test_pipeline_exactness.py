@@ -47,9 +47,9 @@ def run_pipeline(out: Path, devices: int, schedule: str, microbatches: int, step
     return result, weights
 
 
-def reference(schedule: str, microbatches: int, steps: int, optimizer: str, **trainer_kwargs):
+def reference(schedule: str, microbatches: int, steps: int, optimizer: str, model_kwargs=None, **trainer_kwargs):
     torch.set_num_threads(1)
-    model = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer))
+    model = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer), **(model_kwargs or {}))
     strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches)
     losses = fit(model, random_batches(steps), strategy=strategy, **trainer_kwargs)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
@@ -208,3 +208,40 @@ def test_spawn_start_method_returns_the_whole_trained_model():
     assert output.returncode == 0, output.stderr[-3000:]
     difference, moved = map(float, re.search(r"MAXDIFF (\S+) MOVED (\S+)", output.stdout).groups())
     assert moved > 1e-3 and difference < 1e-5
+
+
+MOE = dict(n_experts=4, experts_per_token=2, aux_loss_coef=0.1)
+MOE_ARGS = ("--experts", "4", "--experts-per-token", "2", "--aux-coef", "0.1")
+
+
+def plain_accumulated(microbatches: int, steps: int, optimizer: str):
+    """Plain Lightning (no strategy) over the micro-batches, accumulating the gradients of ``microbatches``."""
+    torch.set_num_threads(1)
+    model = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer), **MOE)
+    parts = [
+        tuple(t[i] for t in (x.chunk(microbatches), y.chunk(microbatches)))
+        for x, y in random_batches(steps)
+        for i in range(microbatches)
+    ]
+    losses = fit(model, parts, max_steps=steps, accumulate_grad_batches=microbatches)
+    # Lightning reports each micro-batch's loss divided by accumulate_grad_batches: a step's loss is their sum.
+    step_losses = [sum(losses[i : i + microbatches]) for i in range(0, len(losses), microbatches)]
+    return step_losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("schedule", "optimizer"), [("2bw", "corrected_muon"), ("1f1b", "adamw")])
+def test_a_mixture_of_experts_on_two_stages_matches_its_reference(tmp_path, schedule, optimizer):
+    """The routers' load-balancing loss is attached on the stage that holds them: 2BW matches the one-device
+    delayed path, 1F1B plain Lightning with gradient accumulation over the same micro-batches."""
+    steps, microbatches = 8, 2
+    result, weights = run_pipeline(tmp_path, 2, schedule, microbatches, steps, optimizer, *MOE_ARGS)
+    if schedule == "2bw":
+        ref_losses, ref_weights = reference(schedule, microbatches, steps, optimizer, model_kwargs=MOE)
+    else:
+        ref_losses, ref_weights = plain_accumulated(microbatches, steps, optimizer)
+    assert_same_run(result, weights, ref_losses, ref_weights)
+    # The balance loss acted: without it the routers end elsewhere.
+    _, unbalanced = reference(schedule, microbatches, steps, optimizer, model_kwargs={**MOE, "aux_loss_coef": 0.0})
+    router = "layers.1.mlp.router.weight"
+    assert (unbalanced[router] - ref_weights[router]).abs().max() > 1e-4

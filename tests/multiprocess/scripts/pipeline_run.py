@@ -108,6 +108,9 @@ def main(argv=None) -> None:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--experts", type=int, default=0, help="GPT(n_experts=...): 0 is dense")
+    parser.add_argument("--experts-per-token", type=int, default=2)
+    parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--split-points", type=str, default=None)
     parser.add_argument("--trace", action="store_true")
@@ -164,6 +167,9 @@ def _run(args: argparse.Namespace) -> None:
         optimizer=make_optimizer(args.optimizer),
         tie_weights=args.tie_weights,
         lr_schedule=args.lr_schedule,
+        n_experts=args.experts,
+        experts_per_token=args.experts_per_token,
+        aux_loss_coef=args.aux_coef,
     )
     split_points = [int(x) for x in args.split_points.split(",")] if args.split_points else None
     strategy = AsyncPipelineStrategy(
