@@ -101,7 +101,7 @@ def build(args):
     return tiny_causal_lm(args.family, optimizer=make_optimizer(args.optimizer))
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--family", default="llama")
     parser.add_argument("--pretrained", default=None)
@@ -121,7 +121,11 @@ def main(argv=None) -> None:
         "--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit"
     )
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     torch.set_num_threads(1)
 
     model = build(args)

@@ -374,12 +374,9 @@ def test_padding_and_a_new_sequence_length_after_a_validation_flush(tmp_path):
     ]
     result, weights, _ = run_pipeline(tmp_path, *args)
 
-    import argparse
+    from tests.multiprocess.scripts.hf_run import batches_for, parser
 
-    from tests.multiprocess.scripts.hf_run import batches_for
-
-    namespace = argparse.Namespace(steps=steps, batch_size=8, seq=16, padding=True, val_every=4)
-    train, val = batches_for(namespace)
+    train, val = batches_for(parser().parse_args([*args, "--out", str(tmp_path)]))
     assert train[3]["input_ids"].shape[1] != train[4]["input_ids"].shape[1]
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
