@@ -26,6 +26,7 @@ The statistics are computed only when the configuration asks for the loss (``out
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
@@ -167,7 +168,16 @@ def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], R
     when its configuration asks for the load-balancing loss, and that loss (``None`` otherwise, and for dense
     models). The head hands the totals on after the logits."""
     config = model.config
-    if not is_moe(config) or not getattr(config, "output_router_logits", False):
+    if not is_moe(config):
+        return layers, None
+    if not getattr(config, "output_router_logits", False):
+        warnings.warn(
+            f"This {config.model_type} model trains without its routers' load-balancing loss "
+            "(output_router_logits=False, transformers' default), so nothing keeps its experts in use: set "
+            "output_router_logits=True in the configuration to train it (router_aux_loss_coef weighs it).",
+            UserWarning,
+            stacklevel=3,
+        )
         return layers, None
     num_experts = getattr(config, "num_local_experts", None) or config.num_experts
     loss = RouterLoss(num_experts, config.num_experts_per_tok, float(config.router_aux_loss_coef))

@@ -146,7 +146,8 @@ def test_mixture_of_experts_settings_the_adapter_cannot_train_are_refused():
 
 def test_without_output_router_logits_it_trains_the_language_model_loss_alone():
     """transformers leaves the routers' loss out of ``.loss`` then; so does the adapter (no totals travel)."""
-    model = CausalLM(model_type="mixtral", config=dict(CONFIGS["mixtral"], output_router_logits=False))
+    with pytest.warns(UserWarning, match="set output_router_logits=True"):
+        model = CausalLM(model_type="mixtral", config=dict(CONFIGS["mixtral"], output_router_logits=False))
     model.configure_model()
     assert model.router_loss is None
     twin = AutoModelForCausalLM.from_config(model.hf_config)
