@@ -26,7 +26,7 @@ from bench_common import machine_description  # noqa: E402
 def measure(seq: int, hidden: int, heads: int, batch: int, repeats: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_async_pp.models.hf import BatchContext, DecoderLayer
+    from lightning_async_pp.models.hf_layers import BatchContext, DecoderLayer
 
     config = AutoConfig.for_model(
         "llama",

@@ -127,8 +127,8 @@ class RoutedDecoderLayer(nn.Module):
     ``(hidden, assigned, probability, rows)``; a dense layer (Qwen2-MoE's ``mlp_only_layers``) hands the totals on.
 
     Args:
-        decoder: The pipeline layer it runs (``hf.DecoderLayer``): its ``transformers`` layer and rotary embedding
-            are registered here under the same names, so parameter names are those of a dense model.
+        decoder: The pipeline layer it runs (``hf_layers.DecoderLayer``): its ``transformers`` layer and rotary
+            embedding are registered here under the same names, so parameter names are those of a dense model.
         router_type: The name of the router's class; its forward returns the router logits first.
         loss: The loss the totals are for.
     """

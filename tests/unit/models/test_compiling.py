@@ -43,7 +43,7 @@ def test_gpt_compiles_its_blocks_in_place_and_keeps_its_names():
 
 def test_causal_lm_compiles_each_transformers_decoder_layer_and_keeps_its_names():
     pytest.importorskip("transformers")
-    from lightning_async_pp.models.hf import DecoderLayer
+    from lightning_async_pp.models.hf_layers import DecoderLayer
     from tests.fixtures.hf_models import tiny_causal_lm
 
     eager, compiled = tiny_causal_lm("llama"), tiny_causal_lm("llama", compile=AOT_EAGER)
