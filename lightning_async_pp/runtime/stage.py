@@ -48,7 +48,7 @@ from lightning_async_pp.runtime.comm import Channel
 from lightning_async_pp.runtime.contract import StageModule
 from lightning_async_pp.runtime.data_order import DataOrderLink
 from lightning_async_pp.runtime.evaluation import PipelineEvaluation
-from lightning_async_pp.runtime.host_flag import HostFlag
+from lightning_async_pp.runtime.finite import FiniteCheck, read_finite_checks
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.timing import StepStats, StepTimer
@@ -129,7 +129,7 @@ class StageRuntime:
             check never waits for the device: each step's flag is copied to the host without blocking and
             read once the device is done with that step, at the latest two steps later and at every
             :meth:`drain` (so before any validation, checkpoint or the end of training). See
-            :class:`FiniteCheck`.
+            :class:`~lightning_async_pp.runtime.finite.FiniteCheck`.
         ties: Sums the gradients of parameters this stage shares with other stages (tied weights).
         shard_optimizer: Keep only this replica's part of the optimizer state (``data_group``'s replicas each own
             whole tensors, see :mod:`~lightning_async_pp.runtime.sharding`); for per-parameter optimizers only
@@ -482,47 +482,3 @@ class StageRuntime:
         Op.SEND_B: _send_backward,
         Op.UPDATE: _update,
     }
-
-
-class FiniteCheck:
-    """Whether one step's losses are all finite, learnt without making the host wait for the device.
-
-    The flag is computed on the device and copied into host memory (pinned on CUDA) without blocking;
-    :meth:`ready` asks a CUDA event whether the copy has landed, and :meth:`raise_if_not_finite` waits for it
-    (a no-op once ready) and raises :func:`check_finite_losses`'s error if a loss was NaN or infinite.
-
-    Args:
-        losses: The step's per-micro-batch losses (on the stage's device).
-        step: The step, for the error message.
-        stage: The stage that computed them, for the error message.
-    """
-
-    def __init__(self, losses: Tensor, step: int, stage: int) -> None:
-        self.losses, self.step, self.stage = losses, step, stage
-        self._not_finite = HostFlag(~torch.isfinite(losses).all())
-
-    def ready(self) -> bool:
-        return self._not_finite.ready()
-
-    def raise_if_not_finite(self) -> None:
-        if self._not_finite.get():
-            check_finite_losses(self.losses, self.step, self.stage)
-
-
-def read_finite_checks(checks: collections.deque[FiniteCheck], wait_beyond: int) -> None:
-    """Raise for a non-finite loss the device has reported; wait for flags older than ``wait_beyond`` steps."""
-    while checks and (len(checks) > wait_beyond or checks[0].ready()):
-        checks.popleft().raise_if_not_finite()
-
-
-def check_finite_losses(losses: Tensor, step: int, stage: int) -> None:
-    """Raise ``FloatingPointError`` naming the step, stage and first micro-batch whose loss is NaN or infinite."""
-    finite = torch.isfinite(losses)
-    if bool(finite.all()):
-        return
-    microbatch = int((~finite).nonzero()[0])
-    raise FloatingPointError(
-        f"The loss of step {step}, micro-batch {microbatch} is {float(losses[microbatch])} (computed on pipeline "
-        f"stage {stage}). Training stops here so that no stage applies a broken update. Lower the learning rate, "
-        "set `gradient_clip_val`, or check the data of that step."
-    )

@@ -28,9 +28,9 @@ from lightning_async_pp.reference.delayed import DelayedWeights
 from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
 from lightning_async_pp.runtime.casts import WeightCasts, autocast_dtype
 from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipeline_module, run_layers
+from lightning_async_pp.runtime.finite import check_finite_losses
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
-from lightning_async_pp.runtime.stage import check_finite_losses
 
 __all__ = ["SingleDevice", "microbatch_losses"]
 
