@@ -167,39 +167,53 @@ def host_program(
             items += _release(pending, None)
             continue
         plan = posting_plan(actions, eager)
-        queued = {op: [a for a in actions if a.op is op] for op in _RECEIVES}
-        posted: dict[Op, _TransferOp] = {}
-
-        def next_receive(op: Op) -> list[_TransferOp]:
-            if op in posted or not queued[op]:
-                return []
-            posted[op] = _transfer_op(queued[op].pop(0), offset=offset)
-            return [posted[op]]
-
+        receives = _SegmentReceives(actions, offset)
         for op in sorted(plan.start):
-            items.append(("post", tuple(next_receive(op))))
+            items.append(("post", tuple(receives.post(op))))
         for k, a in enumerate(actions):
             items += _collectives_at(a, pending, updates, replica)
             if not a.is_comm:
                 continue
             receive_op = Op.RECV_F if a.op in _PREV_LINK else Op.RECV_B
             if a.op in _RECEIVES:
-                if a.op not in posted:
-                    items.append(("post", tuple(next_receive(a.op))))
-                expected = _transfer_op(a, offset=offset)
-                if posted.pop(a.op) != expected:
-                    raise AssertionError(f"stage {a.stage}: receives posted out of order at {a}")
-                items.append(("wait", expected))
-                if plan.post_next[k] and (more := next_receive(receive_op)):
+                items += receives.wait(a)
+                if plan.post_next[k] and (more := receives.post(receive_op)):
                     items.append(("post", tuple(more)))
             else:
                 batch = [_transfer_op(a, offset=offset)]
                 if plan.post_next[k]:
-                    batch += next_receive(receive_op)
+                    batch += receives.post(receive_op)
                 items.append(("post", tuple(batch)))
-        if posted:
-            raise AssertionError(f"receives {sorted(posted.values())} stay posted after the segment")
+        receives.check_none_left()
     return items + _release(pending, None)
+
+
+class _SegmentReceives:
+    """The receives of one segment: queued in action order, at most one posted per direction at a time."""
+
+    def __init__(self, actions: Sequence[Action], offset: int) -> None:
+        self.offset = offset
+        self.queued = {op: [a for a in actions if a.op is op] for op in _RECEIVES}
+        self.posted: dict[Op, _TransferOp] = {}
+
+    def post(self, op: Op) -> list[_TransferOp]:
+        """The next receive of ``op`` to post (none while one is posted, or when none is left)."""
+        if op in self.posted or not self.queued[op]:
+            return []
+        self.posted[op] = _transfer_op(self.queued[op].pop(0), offset=self.offset)
+        return [self.posted[op]]
+
+    def wait(self, a: Action) -> list[tuple]:
+        """The items of receive action ``a``: its post if it was not posted yet, then its wait."""
+        items = [] if a.op in self.posted else [("post", tuple(self.post(a.op)))]
+        expected = _transfer_op(a, offset=self.offset)
+        if self.posted.pop(a.op) != expected:
+            raise AssertionError(f"stage {a.stage}: receives posted out of order at {a}")
+        return [*items, ("wait", expected)]
+
+    def check_none_left(self) -> None:
+        if self.posted:
+            raise AssertionError(f"receives {sorted(self.posted.values())} stay posted after the segment")
 
 
 def _collectives_at(a: Action, pending: list[_Pending], plan: UpdatePlan | None, replica: int) -> list[tuple]:
