@@ -101,16 +101,18 @@ def _header_over_another_json(folder: Path) -> None:
     write_token_file([folder / "corpus.txt"], folder / "train.bin")
 
 
-def _causal_lm(model_type: str) -> None:
+def _causal_lm(model_type: str, **config) -> None:
     from lightning_async_pp.models import CausalLM
 
-    CausalLM(model_type=model_type)
+    CausalLM(model_type=model_type, config=config or None)
 
 
 def _custom_code(folder: Path) -> None:
     (folder / "config.json").write_text('{"auto_map": {"AutoConfig": "mine.Config"}}')
     refuse_custom_code(folder / "config.json")
 
+
+_TINY_MOE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96)
 
 REFUSALS: dict[str, Callable[[Path], None]] = {
     "ckpt_path missing": lambda folder: check_checkpoint_path(folder / "missing.ckpt"),
@@ -132,6 +134,10 @@ REFUSALS: dict[str, Callable[[Path], None]] = {
     "model folder with code of its own": _custom_code,
     "Hugging Face model without the structure": lambda _: _causal_lm("opt"),
     "Hugging Face model whose cut fails its proof": lambda _: _causal_lm("biogpt"),
+    "mixture of experts of another family": lambda _: _causal_lm("olmoe", num_experts=4),
+    "mixture of experts without a sparse layer": lambda _: _causal_lm(
+        "qwen2_moe", **_TINY_MOE, mlp_only_layers=[0, 1], output_router_logits=True
+    ),
 }
 
 
