@@ -60,12 +60,6 @@ class AuxiliaryLosses:
         return torch.stack([loss.to(self.losses[0].device, torch.float32) for loss in self.losses]).sum()
 
 
-def active_scale() -> float:
-    """The ``scale`` of the open collector (1 outside any)."""
-    collector = _ACTIVE.get()
-    return 1.0 if collector is None else collector.scale
-
-
 class _Attach(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, output: Tensor, loss: Tensor, factor: float) -> Tensor:
@@ -94,4 +88,5 @@ def attach_auxiliary_loss(output: Tensor, loss: Tensor, weight: float = 1.0) -> 
         collector.add(loss)
     if not (torch.is_grad_enabled() and (output.requires_grad or loss.requires_grad)):
         return output
-    return _Attach.apply(output, loss, float(weight) * active_scale())
+    scale = 1.0 if collector is None else collector.scale
+    return _Attach.apply(output, loss, float(weight) * scale)

@@ -293,8 +293,7 @@ class StageRuntime:
             if self.check_finite:
                 self._finite_checks.append(FiniteCheck(losses, step, self.stage))
             loss = losses.mean()
-        aux, self._aux = self._aux, []
-        self.timer.end_step(self.updates.version_lag(), torch.stack(aux).mean() if aux else None)
+        self.timer.end_step(self.updates.version_lag(), torch.stack(self._aux).mean() if self._aux else None)
         return loss, self.timer.pop_ready()
 
     def take_stats(self) -> list[StepStats]:
