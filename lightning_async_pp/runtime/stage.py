@@ -91,7 +91,8 @@ class StageRuntime:
         kind: ``"2bw"`` or ``"1f1b"``.
         stage: This stage's index.
         num_stages: Number of stages.
-        num_microbatches: Micro-batches per step.
+        num_microbatches: Micro-batches per batch; a step that accumulates ``k`` batches has ``k`` times as many
+            (see :meth:`run_step`).
         layers: This stage's layers, in order.
         optimizer: Optimizer over exactly the trainable parameters of ``layers``; ``None`` for a runtime that
             only evaluates (:meth:`evaluate`), which builds no update machinery and refuses :meth:`run_step`.
@@ -205,6 +206,10 @@ class StageRuntime:
         self.prev = self._link(self.prev_rank, self.stage - 1)
         self.next = self._link(self.next_rank, self.stage + 1)
         self._microbatches: dict[int, list[Any]] = {}
+        self._divisors: dict[int, int] = {}  # what each step's micro-batch losses are divided by
+        self.run_microbatches = self.num_microbatches
+        """Micro-batches per step of the current (or last) run: ``num_microbatches`` times the batches a step
+        accumulates."""
         # What travels may be several tensors (see `activations`): a received input keeps its spec, and an
         # in-flight micro-batch keeps the specs of its input and output, so each gradient finds its tensor.
         self._inflight: dict[Key, tuple[Any, Spec | None, Any, Spec | None]] = {}
@@ -258,8 +263,20 @@ class StageRuntime:
         self._observers[handle.id] = fn
         return handle
 
-    def run_step(self, step: int, batch: Any) -> tuple[Tensor | None, StepStats | None]:
+    def run_step(
+        self, step: int, *batches: Any, accumulation: int | None = None
+    ) -> tuple[Tensor | None, StepStats | None]:
         """Execute this stage's share of ``step``.
+
+        Args:
+            step: The optimizer step.
+            batches: The step's batches, each cut into ``num_microbatches`` micro-batches: one, or several whose
+                gradients accumulate into the step's one update (gradient accumulation). A step has
+                ``len(batches) * num_microbatches`` micro-batches; all steps of a run have the same count, so a
+                step with another count drains the pipeline first and starts a new run.
+            accumulation: Each micro-batch's loss is divided by ``accumulation * num_microbatches`` (default:
+                ``len(batches)``, the mean over the step's micro-batches). More than ``len(batches)`` for a short
+                window, as Lightning weighs the last batches of an epoch that do not fill ``accumulate_grad_batches``.
 
         Returns the step's mean loss (last stage, a device tensor) and the timings of the oldest step whose
         timings are known: on CPU this step's; on CUDA, where they are read from events once the device has
@@ -271,22 +288,28 @@ class StageRuntime:
                 f"The runtime of pipeline stage {self.stage} was built without an optimizer (optimizer=None), for "
                 "evaluation only, so it cannot train: `run_step` needs an optimizer over the stage's parameters."
             )
+        count = len(batches) * self.num_microbatches
+        if self.run_start is not None and count != self.run_microbatches:
+            self.drain()  # every step of a run has the same micro-batches (the schedule's M)
         read_finite_checks(self._finite_checks, wait_beyond=2)
         if self._order is not None:
             self._order.read_checks(oldest_step=step - 2)
         if self.run_start is None:
-            self.run_start = step
+            validate(self.kind, self.num_stages, count)
+            self.run_start, self.run_microbatches = step, count
             self.forget_layouts()  # evaluation may have sent other shapes since the last run
         self.timer.begin_step(step)
         self._aux = []  # forwards of a flush are not part of the step
         self.updates.hyperparameters.observe(step)
-        self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
+        self._divisors[step] = (accumulation or len(batches)) * self.num_microbatches
+        self._microbatches[step] = [mb for batch in batches for mb in split_microbatches(batch, self.num_microbatches)]
         if self._order is not None:
-            self._order.start_step(step, batch)
-        self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
+            self._order.start_step(step, batches)
+        self._execute(step_actions(self.kind, self.num_stages, count, self.stage, step, self.run_start))
         self.last_step = step
         del self._microbatches[step]
         self.weights.used.pop(step - 3, None)
+        self._divisors.pop(step - 3, None)
         loss = None
         if self.is_last:
             losses = torch.stack(self._losses.pop(step))
@@ -305,7 +328,7 @@ class StageRuntime:
         if self.run_start is not None and self.last_step is not None:
             self._execute(
                 drain_actions(
-                    self.kind, self.num_stages, self.num_microbatches, self.stage, self.last_step, self.run_start
+                    self.kind, self.num_stages, self.run_microbatches, self.stage, self.last_step, self.run_start
                 )
             )
         if self.updates is not None:
@@ -319,6 +342,7 @@ class StageRuntime:
         read_finite_checks(self._finite_checks, wait_beyond=0)
         self.timer.resolve(wait_beyond=0)
         self.run_start = None
+        self._divisors.clear()
         if self.updates is not None:
             self.updates.hyperparameters.clear()
 
@@ -408,7 +432,7 @@ class StageRuntime:
             x, x_spec = self._received.pop(key)
             activations.with_grad_inputs(x, x_spec)
         weights = self.weights.pin(a.step, a.version)
-        with self.forward_context(), AuxiliaryLosses(1 / self.num_microbatches) as aux:
+        with self.forward_context(), AuxiliaryLosses(1 / self._divisors[a.step]) as aux:
             with self._swap(weights), self._casts(weights, a.version):
                 y = self.module(x, microbatch)
             if self.is_last:
@@ -426,7 +450,7 @@ class StageRuntime:
         # A layer that recomputes its forward here must see the weights the forward saw.
         with self._swap(self._pinned.pop(key)):
             if self.is_last:
-                (y / self.num_microbatches).backward()
+                (y / self._divisors[a.step]).backward()
             else:
                 outputs = activations.differentiable(y, y_spec)
                 grads = self._input_grads.pop(key)
@@ -441,7 +465,7 @@ class StageRuntime:
         self._received[key] = self.receive_input()
         # The previous stage ran this forward after the receives its action list puts first: those gradients arrived.
         received = gradients_received_before_forward(
-            self.kind, self.num_stages, self.num_microbatches, self.stage - 1, a.step, a.microbatch, self.run_start
+            self.kind, self.num_stages, self.run_microbatches, self.stage - 1, a.step, a.microbatch, self.run_start
         )
         if received is not None:
             self.prev.peer_received(received)

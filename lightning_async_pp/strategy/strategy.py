@@ -66,6 +66,7 @@ from lightning_async_pp.strategy.lifecycle import (
     sampler_kwargs,
 )
 from lightning_async_pp.strategy.placement import layer_costs, partition_layers, place_stage
+from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow
 from lightning_async_pp.strategy.processes import PipelineProcesses
 from lightning_async_pp.strategy.progress import show_epoch_without_total
 from lightning_async_pp.strategy.routing import report_routing
@@ -182,6 +183,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self._data_seed = 0
         self._stage: PipelineStage | None = None
         self._single_device = SingleDevice()
+        self._window = AccumulationWindow()
         self._restored_sharded = False
         self._failure = FailureGuard()
 
@@ -273,7 +275,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
         else:
             # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
             self._data_seed = local_seed()
-            self._single_device.setup(module, self.num_microbatches, self.activation_checkpointing)
+            delay = get_schedule(self.schedule).reference_delay  # 1: DelayedWeights
+            self._single_device.setup(module, self.num_microbatches, self.activation_checkpointing, delay)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             total = functools.partial(self.reduce, reduce_op="sum")
@@ -312,11 +315,12 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if self.auto_microbatches:  # decided once, by the first training batch, on every rank alike
             self.num_microbatches = choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
             self.auto_microbatches = False
+        self._window.add(batch, module.trainer)  # the batches of one optimizer step (gradient accumulation)
         if self._stage is not None:
-            return self._stage.training_step(module, batch, self.num_microbatches)
+            return self._stage.training_step(module, self._window, self.num_microbatches)
         if not is_pipeline_module(module):
             return super().training_step(*args, **kwargs)
-        return self._single_device.training_step(module, batch, self.num_microbatches, self.precision_plugin)
+        return self._single_device.training_step(module, batch, self.num_microbatches, self.precision_plugin, self._window)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -333,12 +337,18 @@ class AsyncPipelineStrategy(PipelineProcesses):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._stage is not None:
-            # The stage runtime applies its updates itself, on its own clock, inside the step.
-            return closure()
-        if get_schedule(self.schedule).reference_delay:  # one step: DelayedWeights
-            closure = self._single_device.delayed_closure(self.lightning_module, closure)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._window.optimizer_step():  # the training step in `closure` is the window's last
+            if self._stage is not None:  # the stage runtime applies its updates itself, inside the step
+                return closure()
+            closure = self._single_device.step_closure(self.lightning_module, optimizer, closure)
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning runs the batches of an accumulation window before its last in here (see optimizer_steps).
+        with self._single_device.accumulating(self.lightning_module):
+            yield
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -24,11 +24,6 @@ def test_batch_not_divisible_by_microbatches():
         fit(tiny_gpt(), batches, strategy=AsyncPipelineStrategy(num_microbatches=4))
 
 
-def test_accumulate_grad_batches_is_refused():
-    with pytest.raises(MisconfigurationException, match="num_microbatches"):
-        fit(tiny_gpt(), random_batches(2), strategy=AsyncPipelineStrategy(), accumulate_grad_batches=2)
-
-
 class PlainModule(LightningModule):
     def __init__(self):
         super().__init__()
