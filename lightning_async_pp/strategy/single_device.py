@@ -31,6 +31,7 @@ from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipe
 from lightning_async_pp.runtime.finite import check_finite_losses
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
+from lightning_async_pp.schedule import get_schedule
 from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow, check_closure_use
 
 __all__ = ["SingleDevice", "microbatch_losses"]
@@ -82,38 +83,38 @@ def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callab
 class SingleDevice:
     """Training state of the one-device path: the micro-batch losses awaiting their backward, and ``w[t-1]``."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: AccumulationWindow) -> None:
+        self.window = window
+        """The batches of the optimizer step being accumulated (the strategy's)."""
         self.delayed: DelayedWeights | None = None
         self.losses: list[Tensor] | None = None
         self.divisor = 1
         """What the micro-batch losses of the current batch are divided by in the backward."""
         self.delay = 0
         self._casts: Callable[[], Callable[[], WeightCasts]] | None = None
+        self.module: LightningModule | None = None
 
     def setup(
-        self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any, delay: int = 0
+        self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any, schedule: str
     ) -> None:
-        """Check that ``module`` can be split into ``num_microbatches``; wrap its recomputed layers. ``delay``: the
-        schedule's reference delay (``1``: gradients on ``w[t-1]``)."""
+        """Check that ``module`` can be split into ``num_microbatches``; wrap its recomputed layers; take the delay
+        of ``schedule``'s one-device run (``1``: gradients on ``w[t-1]``)."""
         if num_microbatches > 1 and not is_pipeline_module(module):
             require_pipeline_module(module, f"needed to split batches into num_microbatches={num_microbatches}")
         if activation_checkpointing is not False:
             layers = list(module.pipeline_layers())
             checkpoint_layers(layers, select_layers(layers, activation_checkpointing))
         self._casts = None  # built at the first step, on the module's device
-        self.delay = delay
+        self.delay = get_schedule(schedule).reference_delay
+        self.module = module
 
     def training_step(
-        self,
-        module: LightningModule,
-        batch: Any,
-        num_microbatches: int,
-        precision_plugin: Precision,
-        window: AccumulationWindow,
+        self, module: LightningModule, batch: Any, num_microbatches: int, precision_plugin: Precision
     ) -> Tensor:
         """The batch's loss as the mean of its micro-batches' losses; the micro-batch losses are kept for
-        :meth:`backward`. Logs ``train/loss``, the mean over the micro-batches of the optimizer step's ``window``
-        so far (at its last batch, the step's)."""
+        :meth:`backward`. Logs ``train/loss``, the mean over the micro-batches of the optimizer step's
+        :attr:`window` so far (at its last batch, the step's)."""
+        window = self.window
         if self._casts is None:
             self._casts = shared_casts(module, precision_plugin)
         around = self._casts()  # the step's forwards share one cast of each weight
@@ -159,20 +160,21 @@ class SingleDevice:
             self.delayed = DelayedWeights(module)
         return self.delayed
 
-    def step_closure(self, module: LightningModule, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+    def wrap(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
         """The closure of an optimizer step: with a delay, ``closure`` (forward and backward) run on ``w[t-1]``, the
         parameters back on ``w[t]`` afterwards, and ``w[t-1]`` advanced."""
         if not self.delay:
             return closure
         check_closure_use(optimizer, "the one-step delay of schedule='2bw' computes one gradient per step")
-        return self.delayed_weights(module).wrap_closure(closure)
+        return self.delayed_weights(self.module).wrap_closure(closure)
 
     @contextlib.contextmanager
-    def accumulating(self, module: LightningModule) -> Iterator[None]:
-        """Around a batch of an accumulation window before its last (Lightning's ``block_backward_sync``): with a
-        delay its gradient is taken on ``w[t-1]``, as the step's last batch's is in :meth:`step_closure`."""
+    def accumulating(self) -> Iterator[None]:
+        """Around a batch of an accumulation window before its last (Lightning runs those in the strategy's
+        ``block_backward_sync``): with a delay its gradient is taken on ``w[t-1]``, as the last batch's is in
+        :meth:`wrap`."""
         if not self.delay:
             yield
             return
-        with self.delayed_weights(module).delayed():
+        with self.delayed_weights(self.module).delayed():
             yield

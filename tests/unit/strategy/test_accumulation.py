@@ -59,7 +59,7 @@ def assert_same(a, b):
     ids=["2bw-M2-sgd", "2bw-M1-adamw", "1f1b-M2-adamw"],
 )
 def test_k_batches_of_m_microbatches_are_one_step_of_k_times_m(schedule, microbatches, optimizer):
-    k, steps = 2, 4
+    k, steps = 2, 3
     batches = random_batches(k * steps)
     accumulated, recorder = tiny_gpt(optimizer=optimizer), StepLosses()
     strategy = AsyncPipelineStrategy(schedule=schedule, num_microbatches=microbatches)
@@ -89,9 +89,9 @@ def delayed_loop(model, steps, make_optimizer, divisors):
 
 
 def test_the_accumulation_scheduler_and_a_short_last_window_follow_lightning():
-    """k = 1 in the first epoch and 3 in the second, whose 5 batches leave a last window of 2 that Lightning steps
-    with each loss divided by 3, as it does every window's: the delayed trajectory of those steps, by hand."""
-    batches = random_batches(5)
+    """k = 1 in the first epoch and 3 in the second, whose 4 batches leave a last window of 1 that Lightning steps
+    with its loss divided by 3, as it does every window's: the delayed trajectory of those steps, by hand."""
+    batches = random_batches(4)
     model = tiny_gpt(optimizer=sgd)
     scheduler = GradientAccumulationScheduler({1: 3})
     strategy = AsyncPipelineStrategy(schedule="2bw", num_microbatches=2)
@@ -100,9 +100,9 @@ def test_the_accumulation_scheduler_and_a_short_last_window_follow_lightning():
     def micro(indices):
         return [tuple(t.chunk(2)[i] for t in batches[b]) for b in indices for i in range(2)]
 
-    windows = [[0], [1], [2], [3], [4], [0, 1, 2], [3, 4]]
+    windows = [[0], [1], [2], [3], [0, 1, 2], [3]]
     reference = tiny_gpt()
-    delayed_loop(reference, [micro(w) for w in windows], sgd, [2, 2, 2, 2, 2, 6, 6])
+    delayed_loop(reference, [micro(w) for w in windows], sgd, [2, 2, 2, 2, 6, 6])
     assert_same(weights(model), weights(reference))
 
 
@@ -135,7 +135,7 @@ def test_max_steps_counts_optimizer_steps_when_checking_the_last_batch():
 
 
 def lbfgs(params):
-    return torch.optim.LBFGS([p for _, p in params], lr=0.1, max_iter=5)
+    return torch.optim.LBFGS([p for _, p in params], lr=0.1, max_iter=3)
 
 
 def test_an_optimizer_that_needs_its_closure_is_refused_under_2bw():
@@ -162,12 +162,13 @@ def test_a_second_closure_evaluation_in_one_delayed_step_is_refused():
 
 
 def test_lbfgs_on_one_device_without_a_delay_is_plain_lightning():
-    batches = random_batches(3)
+    batches = random_batches(2)
     pipeline, plain = tiny_gpt(optimizer=lbfgs), tiny_gpt(optimizer=lbfgs)
     pipeline_losses = fit(pipeline, batches, strategy=AsyncPipelineStrategy(schedule="1f1b", num_microbatches=1))
     plain_losses = fit(plain, batches)
     assert_same(weights(pipeline), weights(plain))
     assert pipeline_losses == plain_losses
-    assert (torch.cat([p.reshape(-1) for p in weights(plain).values()]) - torch.cat(
-        [p.reshape(-1) for p in weights(tiny_gpt()).values()]
-    )).abs().max() > 1e-3  # it trained
+    assert (
+        torch.cat([p.reshape(-1) for p in weights(plain).values()])
+        - torch.cat([p.reshape(-1) for p in weights(tiny_gpt()).values()])
+    ).abs().max() > 1e-3  # it trained

@@ -1,7 +1,6 @@
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_async_pp import AsyncPipelineStrategy
 from tests.fixtures.helpers import fit, random_batches, tiny_gpt
