@@ -121,10 +121,10 @@ class PipelineStage:
                 "optimizer from `configure_optimizers` (Muon and DelayCorrected are single optimizers)."
             )
         optimizer = optimizers[0]
-        check_closure_use(optimizer, "a pipeline stage steps its optimizer once, without a closure, inside its step")
         self.placement.check_tied_updates(self.stage, optimizer)
         if self._shards_optimizer:
             check_shardable(optimizer)
+        check_closure_use(optimizer, "a pipeline stage steps its optimizer once, without a closure, inside its step")
         self._training = (trainer, optimizer)
         self.runtime, self._restored = None, None
         if num_microbatches is not None:
