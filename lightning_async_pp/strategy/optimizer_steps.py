@@ -37,7 +37,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["AccumulationWindow", "check_closure_use", "needs_closure"]
+__all__ = ["DELAYED_STEP", "STAGE_STEP", "AccumulationWindow", "check_closure_use", "needs_closure"]
+
+DELAYED_STEP = "the one-step delay of schedule='2bw' computes one gradient per step"
+"""Why an optimizer step under 2BW evaluates the closure once (:func:`check_closure_use`)."""
+STAGE_STEP = "a pipeline stage steps its optimizer once, without a closure, inside its step"
+"""Why a pipeline stage's optimizer step has no closure (:func:`check_closure_use`)."""
 
 
 class AccumulationWindow:

@@ -32,7 +32,7 @@ from lightning_async_pp.runtime.finite import check_finite_losses
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
 from lightning_async_pp.schedule import get_schedule
-from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow, check_closure_use
+from lightning_async_pp.strategy.optimizer_steps import DELAYED_STEP, AccumulationWindow, check_closure_use
 
 __all__ = ["SingleDevice", "microbatch_losses"]
 
@@ -165,7 +165,7 @@ class SingleDevice:
         parameters back on ``w[t]`` afterwards, and ``w[t-1]`` advanced."""
         if not self.delay:
             return closure
-        check_closure_use(optimizer, "the one-step delay of schedule='2bw' computes one gradient per step")
+        check_closure_use(optimizer, DELAYED_STEP)
         return self.delayed_weights(self.module).wrap_closure(closure)
 
     @contextlib.contextmanager

@@ -28,7 +28,7 @@ from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import StepStats, write_chrome_trace
 from lightning_async_pp.schedule import get_schedule
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step
-from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow, check_closure_use
+from lightning_async_pp.strategy.optimizer_steps import STAGE_STEP, AccumulationWindow, check_closure_use
 from lightning_async_pp.strategy.placement import StagePlacement
 from lightning_async_pp.strategy.signals import install_signal_stop
 from lightning_async_pp.strategy.stage_stats import StageStatistics
@@ -124,7 +124,7 @@ class PipelineStage:
         self.placement.check_tied_updates(self.stage, optimizer)
         if self._shards_optimizer:
             check_shardable(optimizer)
-        check_closure_use(optimizer, "a pipeline stage steps its optimizer once, without a closure, inside its step")
+        check_closure_use(optimizer, STAGE_STEP)
         self._training = (trainer, optimizer)
         self.runtime, self._restored = None, None
         if num_microbatches is not None:
