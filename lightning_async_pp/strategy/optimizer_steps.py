@@ -55,6 +55,7 @@ class AccumulationWindow:
         self.stepping = False
         """Whether Lightning's optimizer step is running: its training step is the window's last."""
         self._batches: dict[int, Any] = {}
+        self._automatic = True
         self._losses: dict[int, tuple[Tensor, Tensor | None]] = {}
 
     def add(self, batch: Any, trainer: Trainer) -> None:
@@ -67,6 +68,7 @@ class AccumulationWindow:
             MisconfigurationException: The window started before this run (a resumed checkpoint saved inside it).
         """
         self.size = trainer.accumulate_grad_batches
+        self._automatic = trainer.lightning_module.automatic_optimization
         index = trainer.fit_loop.epoch_loop.batch_idx
         if index % self.size == 0:
             self.clear()
@@ -79,6 +81,12 @@ class AccumulationWindow:
                 "`val_check_interval` a multiple of accumulate_grad_batches)."
             )
         self._batches[index] = batch
+
+    @property
+    def complete(self) -> bool:
+        """Whether the current batch ends the window: it runs in Lightning's optimizer step (every batch under
+        manual optimization, which Lightning does not accumulate)."""
+        return self.stepping or not self._automatic
 
     @property
     def batches(self) -> list[Any]:

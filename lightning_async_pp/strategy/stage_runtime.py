@@ -203,7 +203,7 @@ class PipelineStage:
         if not self.trains:
             self._build_training_runtime(num_microbatches)
         loss, stats = None, None
-        if window.stepping:  # else the batch waits for the rest of its window
+        if window.complete:  # else the batch waits for the rest of its window
             step = module.trainer.global_step
             loss, stats = self.runtime.run_step(step, *window.batches, accumulation=window.size)
         if loss is not None:

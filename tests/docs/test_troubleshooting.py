@@ -119,7 +119,8 @@ def _resumed_inside_a_window(_: Path) -> None:
     from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow
 
     loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_idx=3))
-    AccumulationWindow().add(None, SimpleNamespace(accumulate_grad_batches=2, fit_loop=loop))
+    module = SimpleNamespace(automatic_optimization=True)
+    AccumulationWindow().add(None, SimpleNamespace(accumulate_grad_batches=2, fit_loop=loop, lightning_module=module))
 
 
 def _closure_needed(why: str) -> None:
