@@ -55,8 +55,8 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize(
     ("schedule", "microbatches", "optimizer"),
-    [("2bw", 2, sgd), ("2bw", 1, adamw), ("1f1b", 2, adamw)],
-    ids=["2bw-M2-sgd", "2bw-M1-adamw", "1f1b-M2-adamw"],
+    [("2bw", 2, adamw), ("1f1b", 2, sgd)],
+    ids=["2bw-M2-adamw", "1f1b-M2-sgd"],
 )
 def test_k_batches_of_m_microbatches_are_one_step_of_k_times_m(schedule, microbatches, optimizer):
     k, steps = 2, 3
