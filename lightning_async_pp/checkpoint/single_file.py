@@ -8,7 +8,9 @@ record (as ``meta.pt`` of the sharded form does) and, with the training state:
 * ``"previous"``: PipeDream-2BW's ``w[t-1]`` of each trainable parameter, by name (``{}`` under 1F1B);
 * ``"rng"``: the random generators' states, per stage (``{stage: state}``);
 * ``"optimizer_names"``: the parameter names of each of the first optimizer's param groups, in the order of its
-  ``state_dict()`` (what position ``i`` in ``optimizer_states[0]`` is), so that any stage count finds its own.
+  ``state_dict()`` (what position ``i`` in ``optimizer_states[0]`` is), so that any stage count finds its own;
+* ``"gathered"``: ``True`` in a file made of shards, whose ``optimizer_states[0]`` has one group per distinct set of
+  hyperparameters (the optimizer of one process may have grouped them otherwise): it is restored by name.
 
 It loads with ``torch.load(path)`` (``weights_only=True`` included) and ``Model.load_from_checkpoint(path)``.
 A single process writes it directly; several processes write the sharded form into a hidden directory first,
@@ -41,9 +43,9 @@ from lightning_async_pp.checkpoint.safe import (
 )
 from lightning_async_pp.runtime.updates import NOT_HYPERPARAMETERS
 
-__all__ = ["OPTIMIZER_NAMES", "PREVIOUS", "RNG", "read_entries", "sharded_entries", "single_file_checkpoint"]
+__all__ = ["GATHERED", "OPTIMIZER_NAMES", "PREVIOUS", "RNG", "read_entries", "sharded_entries", "single_file_checkpoint"]
 
-PREVIOUS, RNG, OPTIMIZER_NAMES = "previous", "rng", "optimizer_names"
+PREVIOUS, RNG, OPTIMIZER_NAMES, GATHERED = "previous", "rng", "optimizer_names", "gathered"
 
 
 def read_entries(checkpoint_dir: Path) -> dict[str, Any]:
@@ -69,10 +71,11 @@ def single_file_checkpoint(meta: dict[str, Any], entries: dict[str, Any], names:
         names: The whole model's ``state_dict`` names, in its order.
     """
     checkpoint = dict(meta)
-    record = dict(checkpoint.get(CHECKPOINT_KEY, {}))
+    record = {**checkpoint.get(CHECKPOINT_KEY, {}), GATHERED: True}
     checkpoint["state_dict"] = {n: entries[MODEL_PREFIX + n] for n in names if MODEL_PREFIX + n in entries}
     if record.get("has_training_state"):
-        checkpoint["optimizer_states"], record[OPTIMIZER_NAMES] = [_optimizer_state(entries, names)]
+        state, record[OPTIMIZER_NAMES] = _optimizer_state(entries, names)
+        checkpoint["optimizer_states"] = [state]
         record[PREVIOUS] = {n: entries[PREVIOUS_PREFIX + n] for n in names if PREVIOUS_PREFIX + n in entries}
         record[RNG] = {int(k[len(RNG_PREFIX) :]): v for k, v in entries.items() if k.startswith(RNG_PREFIX)}
     checkpoint[CHECKPOINT_KEY] = record

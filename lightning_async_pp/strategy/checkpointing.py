@@ -38,7 +38,7 @@ from lightning_async_pp.checkpoint import (
 )
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path, saved_shapes
 from lightning_async_pp.checkpoint.layout import FILE_ORDER_KEY, restore_stage
-from lightning_async_pp.checkpoint.single_file import OPTIMIZER_NAMES, PREVIOUS, RNG, sharded_entries
+from lightning_async_pp.checkpoint.single_file import GATHERED, OPTIMIZER_NAMES, PREVIOUS, RNG, sharded_entries
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu
 from lightning_async_pp.reference.delayed import DelayedWeights
 from lightning_async_pp.runtime.contract import is_pipeline_module
@@ -94,7 +94,8 @@ class RestoredCheckpoint:
         checkpoint: What Lightning restores from: the whole file, or a directory's ``meta.pt``.
         index: A directory's DCP index (``None`` for a file).
         native: Lightning restores the weights and optimizers itself: a single file written by one process (or by
-            another strategy), read by one process. Otherwise each stage reads its part at the end of ``setup``.
+            another strategy), not gathered from shards, read by one process. Otherwise each stage reads its part at
+            the end of ``setup``.
     """
 
     path: Any
@@ -251,8 +252,7 @@ class PipelineCheckpoint:
         checkpoint = io.load_checkpoint(path, weights_only=weights_only)
         info = checkpoint.get(CHECKPOINT_KEY, {})
         index = read_index(path) if sharded else None
-        written_by_one = info.get("num_stages", 1) * info.get("data_parallel_size", 1) == 1
-        native = not sharded and self._one_process and written_by_one
+        native = not sharded and self._one_process and not info.get(GATHERED)
         saved = saved_shapes(index) if index is not None else _shapes(checkpoint.get("state_dict", {}))
         shapes = saved if native else self._model_shapes()  # with `native`, Lightning's load_state_dict checks
         check_compatible(path, info, saved, self.schedule, shapes, strict=self.module.strict_loading)

@@ -1,4 +1,5 @@
-"""Sharded checkpoints on one device and on stages: format, safety, Lightning's checkpoint features."""
+"""Sharded checkpoints on one device (``save_distributed_checkpoint=True``) and on stages: format, safety,
+Lightning's checkpoint features. The single-file form: tests/unit/checkpoint/test_single_file.py."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _single_device_checkpoint(tmp_path, *, weights_only=False, optimizer="correc
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        strategy=AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -149,7 +150,7 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        strategy=AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True),
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -183,7 +184,8 @@ KILLED_SAVE = textwrap.dedent("""
 
     FileSystemWriter.write_data = write_then_die
     checkpoints = ModelCheckpoint(dirpath=sys.argv[1], every_n_train_steps=2, save_last=True, save_top_k=-1)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(num_microbatches=2), max_steps=6,
+    strategy = AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoints])
     trainer.fit(tiny_gpt(n_layer=4), loader(random_batches(6)))
 """)
@@ -207,7 +209,7 @@ def test_save_killed_midway_is_never_last(tmp_path):
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        strategy=AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True),
         max_steps=6,
         logger=False,
         enable_progress_bar=False,
