@@ -11,7 +11,8 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_async_pp.checkpoint.layout import META_FILE, MODEL_PREFIX, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.layout import CHECKPOINT_KEY, META_FILE, MODEL_PREFIX, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.single_file import OPTIMIZER_NAMES
 
 _PICKLE_PROTOCOL_2_OR_LATER = b"\x80"  # how torch's legacy (non-zip) format and any modern pickle begin
 
@@ -123,6 +124,18 @@ def check_compatible(
         raise ValueError(
             f"The checkpoint {path} holds another model than this one ({'; '.join(details)}). Build the model with "
             f"the configuration it was saved with{fix}."
+        )
+
+
+def check_named_optimizer_state(path: _PATH, checkpoint: dict[str, Any]) -> None:
+    """Refuse a single file whose optimizer state cannot be given to each stage: ``optimizer_states`` numbered by
+    position, without the record's names of those positions (a file another strategy wrote), read by several
+    processes or by name."""
+    if checkpoint.get("optimizer_states") and OPTIMIZER_NAMES not in checkpoint.get(CHECKPOINT_KEY, {}):
+        raise ValueError(
+            f"The checkpoint {path} holds optimizer state without the parameter names that give each stage its "
+            "part (another strategy wrote it). Resume it on one device, or start from its weights: "
+            "`model.load_state_dict(torch.load(path)['state_dict'])` before `fit` without ckpt_path."
         )
 
 

@@ -43,7 +43,15 @@ from lightning_async_pp.checkpoint.safe import (
 )
 from lightning_async_pp.runtime.updates import NOT_HYPERPARAMETERS
 
-__all__ = ["GATHERED", "OPTIMIZER_NAMES", "PREVIOUS", "RNG", "read_entries", "sharded_entries", "single_file_checkpoint"]
+__all__ = [
+    "GATHERED",
+    "OPTIMIZER_NAMES",
+    "PREVIOUS",
+    "RNG",
+    "read_entries",
+    "sharded_entries",
+    "single_file_checkpoint",
+]
 
 PREVIOUS, RNG, OPTIMIZER_NAMES, GATHERED = "previous", "rng", "optimizer_names", "gathered"
 

@@ -36,7 +36,7 @@ from lightning_async_pp.checkpoint import (
     set_rng_state,
     stage_shard,
 )
-from lightning_async_pp.checkpoint.compat import check_checkpoint_path, saved_shapes
+from lightning_async_pp.checkpoint.compat import check_checkpoint_path, check_named_optimizer_state, saved_shapes
 from lightning_async_pp.checkpoint.layout import FILE_ORDER_KEY, restore_stage
 from lightning_async_pp.checkpoint.single_file import GATHERED, OPTIMIZER_NAMES, PREVIOUS, RNG, sharded_entries
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu
@@ -257,12 +257,8 @@ class PipelineCheckpoint:
         shapes = saved if native else self._model_shapes()  # with `native`, Lightning's load_state_dict checks
         check_compatible(path, info, saved, self.schedule, shapes, strict=self.module.strict_loading)
         fitting = self.module.trainer.state.fn == TrainerFn.FITTING
-        if fitting and not native and checkpoint.get("optimizer_states") and OPTIMIZER_NAMES not in info:
-            raise ValueError(
-                f"The checkpoint {path} holds optimizer state without the parameter names that give each stage its "
-                "part (another strategy wrote it). Resume it on one device, or start from its weights: "
-                "`model.load_state_dict(torch.load(path)['state_dict'])` before `fit` without ckpt_path."
-            )
+        if fitting and not native and not sharded:
+            check_named_optimizer_state(path, checkpoint)
         if sharded and info.get("has_training_state"):
             checkpoint["optimizer_states"] = []  # restored with the shards; Lightning only checks that they exist
         return RestoredCheckpoint(path, checkpoint, index, native)
