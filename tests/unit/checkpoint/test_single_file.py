@@ -260,3 +260,47 @@ def test_restoring_runs_in_lightnings_order(tmp_path, distributed):
     ours = events(AsyncPipelineStrategy(num_microbatches=1), tmp_path / "ours.ckpt")
     assert ours == events("auto", tmp_path / "lightning.ckpt")
     assert ours == ["on_load_checkpoint", "callback state restored", "configure_optimizers", "on_fit_start"]
+
+
+def test_a_tied_copy_reads_the_file_under_the_first_name():
+    """A file written on one device (the tied weight once, as ``layers.0.table.weight``), read by a stage that holds
+    only the head: the head's copy gets the optimizer state and ``w[t-1]`` of the embedding's name."""
+    from lightning_async_pp import checkpoint as sharded
+    from lightning_async_pp.checkpoint.layout import restore_stage
+    from lightning_async_pp.checkpoint.single_file import sharded_entries
+    from lightning_async_pp.strategy.placement import keep_only_layers
+    from tests.multiprocess.scripts.toy_run import ToyLM
+
+    whole = ToyLM(tie_embedding=True)
+    aliases = sharded.parameter_aliases(whole)
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    for p in whole.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+    optimizer.step()
+    previous = {n: p.detach() - 1 for n, p in whole.named_parameters()}
+    names = [[n for n, _ in whole.named_parameters()]]
+    record = {"schedule": "2bw", "optimizer_names": names, "previous": previous, "rng": {}}
+    entries = sharded_entries(
+        {"state_dict": whole.state_dict(), "optimizer_states": [optimizer.state_dict()], "async_pp": record}
+    )
+
+    stage = ToyLM(tie_embedding=True)
+    keep_only_layers(stage, list(stage.pipeline_layers()), range(3, 5), [0, 0, 0, 1, 1])
+    stage_optimizer = torch.optim.AdamW(stage.parameters(), lr=0.1)
+    stage_previous = {n: torch.zeros_like(p) for n, p in stage.named_parameters()}
+    restore_stage(
+        entries,
+        state_dict=stage.state_dict(),
+        module=stage,
+        optimizer=stage_optimizer,
+        previous=stage_previous,
+        stage=1,
+        aliases=aliases,
+    )
+    table, head = whole.get_parameter("layers.0.table.weight"), stage.get_parameter("layers.4.out.weight")
+    assert torch.equal(head, table)
+    assert torch.equal(stage_previous["layers.4.out.weight"], previous["layers.0.table.weight"])
+    assert sorted(stage_optimizer.state[head]) == sorted(optimizer.state[table])
+    for key, value in optimizer.state[table].items():
+        assert torch.equal(stage_optimizer.state[head][key], value), key
