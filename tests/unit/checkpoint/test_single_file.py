@@ -17,7 +17,7 @@ from lightning_async_pp.demos import GPT
 from tests.fixtures.helpers import BLOCK, VOCAB, LossRecorder, loader, random_batches, tiny_gpt
 from tests.multiprocess.scripts.pipeline_run import make_optimizer
 
-STEPS = 6
+STEPS = 4
 SMALL = dict(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=8, lr_schedule="constant")
 
 
@@ -31,7 +31,7 @@ def _trainer(steps: int, *callbacks: Callback, distributed: bool | None = None, 
 
 def _model() -> GPT:
     torch.manual_seed(0)
-    return tiny_gpt(n_layer=4, optimizer=make_optimizer("corrected_muon"))
+    return tiny_gpt(n_layer=2, n_embd=8, optimizer=make_optimizer("corrected_muon"))
 
 
 def _data():
@@ -194,10 +194,10 @@ def test_weights_only_false_is_honoured(tmp_path, distributed):
 
 def test_single_file_to_an_fsspec_url(tmp_path):
     url = "memory://checkpoints/model.ckpt"
-    _saved(url)
-    resumed = _trainer(STEPS)
+    _saved(url, steps=1)
+    resumed = _trainer(2)
     resumed.fit(_model(), _data(), ckpt_path=url)
-    assert resumed.global_step == STEPS
+    assert resumed.global_step == 2
 
 
 class Order(Callback):
