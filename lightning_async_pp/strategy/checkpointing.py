@@ -254,11 +254,13 @@ class PipelineCheckpoint:
         index = read_index(path) if sharded else None
         native = not sharded and self._one_process and not info.get(GATHERED)
         saved = saved_shapes(index) if index is not None else _shapes(checkpoint.get("state_dict", {}))
-        shapes = saved if native else self._model_shapes()  # with `native`, Lightning's load_state_dict checks
-        check_compatible(path, info, saved, self.schedule, shapes, strict=self.module.strict_loading)
-        fitting = self.module.trainer.state.fn == TrainerFn.FITTING
-        if fitting and not native and not sharded:
-            check_named_optimizer_state(path, checkpoint)
+        if native:  # Lightning's load_state_dict checks the weights; only the schedule here (no module needed)
+            check_compatible(path, info, saved, self.schedule, saved)
+        else:
+            strict = self.module.strict_loading
+            check_compatible(path, info, saved, self.schedule, self._model_shapes(), strict=strict)
+            if not sharded and self.module.trainer.state.fn == TrainerFn.FITTING:
+                check_named_optimizer_state(path, checkpoint)
         if sharded and info.get("has_training_state"):
             checkpoint["optimizer_states"] = []  # restored with the shards; Lightning only checks that they exist
         return RestoredCheckpoint(path, checkpoint, index, native)
