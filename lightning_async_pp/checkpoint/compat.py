@@ -11,7 +11,8 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_async_pp.checkpoint.layout import META_FILE, MODEL_PREFIX, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.layout import CHECKPOINT_KEY, META_FILE, MODEL_PREFIX, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.single_file import OPTIMIZER_NAMES
 
 _PICKLE_PROTOCOL_2_OR_LATER = b"\x80"  # how torch's legacy (non-zip) format and any modern pickle begin
 
@@ -69,17 +70,33 @@ def check_checkpoint_path(path: _PATH) -> None:
     raise ValueError(f"ckpt_path={text!r} is not a checkpoint of this strategy (nor a torch.save file). {LAYOUT}")
 
 
+def saved_shapes(index: Metadata) -> dict[str, tuple]:
+    """The names and shapes of the weights a sharded checkpoint holds, from its DCP index."""
+    return {
+        key[len(MODEL_PREFIX) :]: tuple(md.size)
+        for key, md in index.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)
+    }
+
+
 def check_compatible(
-    path: _PATH, info: dict[str, Any], index: Metadata, schedule: str, model_shapes: dict[str, tuple]
+    path: _PATH,
+    info: dict[str, Any],
+    saved: dict[str, tuple],
+    schedule: str,
+    model_shapes: dict[str, tuple],
+    strict: bool = True,
 ) -> None:
     """Refuse a checkpoint that cannot continue this run, saying what differs. Every rank decides alike.
 
     Args:
         path: The checkpoint (for the message).
-        info: ``meta.pt``'s ``"async_pp"`` entry.
-        index: DCP's index of the checkpoint.
+        info: The checkpoint's ``"async_pp"`` record.
+        saved: Names and shapes of the weights it holds (:func:`saved_shapes` of a directory).
         schedule: This run's schedule.
         model_shapes: Names and shapes of the whole model's state dict (all stages).
+        strict: ``LightningModule.strict_loading``: with ``False``, names missing on either side are allowed (a
+            new head to fine-tune); other shapes are refused either way, as ``load_state_dict`` does.
     """
     saved_schedule = info.get("schedule")
     if info.get("has_training_state") and saved_schedule != schedule:
@@ -88,13 +105,8 @@ def check_compatible(
             f"schedule={schedule!r}. The weight versions and optimizer state of one schedule do not continue the "
             f"other: set `schedule={saved_schedule!r}`, or start a new run from the weights only."
         )
-    saved = {
-        key[len(MODEL_PREFIX) :]: tuple(md.size)
-        for key, md in index.state_dict_metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)
-    }
-    missing = sorted(set(model_shapes) - set(saved))
-    unexpected = sorted(set(saved) - set(model_shapes))
+    missing = sorted(set(model_shapes) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(model_shapes)) if strict else []
     reshaped = sorted(n for n in set(saved) & set(model_shapes) if tuple(saved[n]) != tuple(model_shapes[n]))
     if missing or unexpected or reshaped:
         details = []
@@ -106,9 +118,24 @@ def check_compatible(
             details.append(
                 "other shapes: " + ", ".join(f"{n} {saved[n]} vs {tuple(model_shapes[n])}" for n in reshaped[:6])
             )
+        fix = ""
+        if missing or unexpected:
+            fix = " (or set `strict_loading = False` on the LightningModule to load what matches)"
         raise ValueError(
             f"The checkpoint {path} holds another model than this one ({'; '.join(details)}). Build the model with "
-            "the configuration it was saved with."
+            f"the configuration it was saved with{fix}."
+        )
+
+
+def check_named_optimizer_state(path: _PATH, checkpoint: dict[str, Any]) -> None:
+    """Refuse a single file whose optimizer state cannot be given to each stage: ``optimizer_states`` numbered by
+    position, without the record's names of those positions (a file another strategy wrote), read by several
+    processes or by name."""
+    if checkpoint.get("optimizer_states") and OPTIMIZER_NAMES not in checkpoint.get(CHECKPOINT_KEY, {}):
+        raise ValueError(
+            f"The checkpoint {path} holds optimizer state without the parameter names that give each stage its "
+            "part (another strategy wrote it). Resume it on one device, or start from its weights: "
+            "`model.load_state_dict(torch.load(path)['state_dict'])` before `fit` without ckpt_path."
         )
 
 

@@ -1,9 +1,11 @@
-"""The ``CheckpointIO`` of :class:`~lightning_async_pp.AsyncPipelineStrategy`: sharded checkpoint directories,
-committed atomically.
+"""The ``CheckpointIO`` of :class:`~lightning_async_pp.AsyncPipelineStrategy`: sharded checkpoint directories and
+single files, committed atomically.
 
 Writes are atomic per checkpoint: the ranks write into a hidden sibling directory, and rank 0 renames it to
-the checkpoint's name once every shard and ``meta.pt`` are on disk. A save killed midway leaves only the
-hidden directory (removed by the next save to that name), never a checkpoint that looks complete.
+the checkpoint's name once every shard and ``meta.pt`` are on disk (or, for the single-file form of several
+processes, reads the shards back, writes the file beside it and renames that). A single file is written under a
+hidden name and renamed too. A save killed midway leaves only the hidden directory or file (removed by the next
+save to that name), never a checkpoint that looks complete.
 
 Removal deletes only checkpoints: paths that, with symbolic links and ``..`` resolved, lie directly in a folder
 this IO has written a checkpoint into, and hold a checkpoint (see :meth:`ShardedCheckpointIO.remove_checkpoint`).
@@ -32,7 +34,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from typing_extensions import override
 
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
-from lightning_async_pp.checkpoint.layout import META_FILE, SHARD_KEY, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.layout import FILE_ORDER_KEY, META_FILE, SHARD_KEY, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.single_file import read_entries, single_file_checkpoint
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu, use_device
 from lightning_async_pp.files import fsync
 
@@ -45,8 +48,8 @@ class ShardedCheckpointIO(CheckpointIO):
     can be wrapped by Lightning's ``AsyncCheckpointIO``: the whole transaction, rename included, then runs in
     its background thread, on a process group of its own (the strategy first waits for the previous save and
     copies the payload to host memory, see :mod:`~lightning_async_pp.checkpoint.snapshot`). A payload that is
-    not a sharded one (a plain state dict) is written as one file by ``metadata_io``, as ``TorchCheckpointIO``
-    would.
+    not a sharded one (Lightning's checkpoint of one process) is written as one file by ``metadata_io``, as
+    ``TorchCheckpointIO`` would, atomically for a local path; an fsspec URL is accepted for it.
 
     Args:
         metadata_io: Writes and reads ``meta.pt`` (and plain single-file checkpoints). Default:
@@ -77,34 +80,37 @@ class ShardedCheckpointIO(CheckpointIO):
         """Write ``checkpoint`` to ``path``.
 
         Args:
-            checkpoint: ``{SHARD_KEY: True, "shard": {...}, "meta": {...} or None}`` from the strategy, or a plain
-                state dict (written as one file by ``metadata_io``).
-            path: The checkpoint directory (or file, for a plain state dict).
+            checkpoint: ``{SHARD_KEY: True, "shard": {...}, "meta": {...} or None}`` from the strategy (with
+                ``FILE_ORDER_KEY``: written as one file, see :mod:`~lightning_async_pp.checkpoint.single_file`), or
+                a plain state dict (written as one file by ``metadata_io``).
+            path: The checkpoint directory or file.
             storage_options: Passed on to ``metadata_io``.
         """
         self._saved_to(path)
-        if not checkpoint.get(SHARD_KEY):
-            self.metadata_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
-        if "://" in str(path):
+        sharded = bool(checkpoint.get(SHARD_KEY))
+        if sharded and "://" in str(path):
             raise NotImplementedError(
-                f"Sharded checkpoints are written to a local or mounted file system; got {path}. Save to a local "
-                "directory and copy it, or consolidate it (`python -m lightning_async_pp consolidate`) first."
+                f"Checkpoints of several processes are written to a local or mounted file system; got {path}. Save "
+                "to a local directory and copy it, or consolidate it (`python -m lightning_async_pp consolidate`) "
+                "first. One process writes its single-file checkpoint to any fsspec URL."
             )
         begin = time.perf_counter()
         self.wait()  # one save in flight: at most one copy of the stage's state exists besides the live one
+        write = self._write if sharded else self._write_file
         if self.async_save:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_pp-checkpoint")
-            self._pending = self._executor.submit(self._write, snapshot_to_cpu(checkpoint), Path(path), storage_options)
+            self._pending = self._executor.submit(write, snapshot_to_cpu(checkpoint), path, storage_options)
         else:
-            self._write(checkpoint, Path(path), storage_options)
+            write(checkpoint, path, storage_options)
         self.last_save_blocking_seconds = time.perf_counter() - begin
 
-    def _write(self, checkpoint: dict[str, Any], path: Path, storage_options: Any | None) -> None:
+    def _write(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
         """The transaction: every rank writes its shard into the hidden directory, rank 0 the metadata and the
-        rename; every rank returns once the checkpoint is in place (collectives on :attr:`process_group`)."""
+        rename (or, for the single-file form, the file made of every shard); every rank returns once the checkpoint
+        is in place (collectives on :attr:`process_group`)."""
         use_device(self.device)
+        path = Path(path)
         partial = _partial_path(path)
         rank = _rank(self.process_group)
         if rank == 0:
@@ -123,13 +129,33 @@ class ShardedCheckpointIO(CheckpointIO):
                 f"Could not write the checkpoint {path} ({error}). The previous checkpoint at that name, if any, "
                 "is untouched."
             ) from error
-        if rank == 0:
+        if rank == 0 and checkpoint.get(FILE_ORDER_KEY) is not None:
+            entries = read_entries(partial)
+            whole = single_file_checkpoint(checkpoint["meta"], entries, checkpoint[FILE_ORDER_KEY])
+            del entries
+            self._write_file(whole, path, storage_options)  # its hidden name is the shards' directory's: removed
+        elif rank == 0:
             self.metadata_io.save_checkpoint(
                 checkpoint.get("meta"), partial / META_FILE, storage_options=storage_options
             )
             fsync(partial / META_FILE)
-            _replace_directory(partial, path)
+            _replace(partial, path)
         self._barrier()
+
+    def _write_file(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
+        """One ``torch.save`` file (by ``metadata_io``), into a hidden sibling first and renamed into place, so that
+        it too appears complete or not at all (an fsspec URL is written by ``metadata_io`` directly)."""
+        use_device(self.device)
+        if "://" in str(path):
+            self.metadata_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        path = Path(path)
+        _check_target(path)
+        partial = _partial_path(path)
+        _remove_path(partial)  # left by a save that was killed
+        self.metadata_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        fsync(partial)
+        _replace(partial, path)
 
     def wait(self) -> None:
         """Wait for a pending asynchronous save; raise its error, if any."""
@@ -141,22 +167,33 @@ class ShardedCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Lightning's part of the checkpoint at ``path`` (``meta.pt``), or a plain single-file checkpoint."""
+        """Lightning's part of the checkpoint at ``path`` (``meta.pt`` of a directory), or a single-file checkpoint
+        (a local path or an fsspec URL).
+
+        Args:
+            path: The checkpoint.
+            map_location: As ``torch.load``'s; by default ``metadata_io``'s (Lightning's: on the CPU).
+            weights_only: As ``torch.load``'s; ``None`` reads with ``True`` (torch's default). ``False`` runs the
+                code the file names: only for a checkpoint whose origin you trust.
+        """
         self.wait()
-        path = Path(path)
-        if path.is_dir():
-            if not (path / META_FILE).is_file():
-                raise FileNotFoundError(
-                    f"{path} is not a complete checkpoint ({META_FILE} is missing). Resume from another checkpoint."
-                )
-            path = path / META_FILE
+        if "://" not in str(path):
+            path = Path(path)
+            if path.is_dir():
+                if not (path / META_FILE).is_file():
+                    raise FileNotFoundError(
+                        f"{path} is not a complete checkpoint ({META_FILE} is missing). Resume from another checkpoint."
+                    )
+                path = path / META_FILE
+        where = {} if map_location is None else {"map_location": map_location}
+        weights_only = True if weights_only is None else weights_only
         try:
-            return self.metadata_io.load_checkpoint(path, map_location=map_location, weights_only=True)
+            return self.metadata_io.load_checkpoint(path, weights_only=weights_only, **where)
         except FileNotFoundError:
             raise
         except Exception as error:
             if "Weights only load failed" in str(error):
-                raise
+                raise _not_weights_only(path, error) from error
             raise RuntimeError(
                 f"Could not read the checkpoint {path}: it is truncated or corrupt ({type(error).__name__}: {error}). "
                 "Resume from another checkpoint; checkpoints are written atomically, so the one saved before it is "
@@ -242,12 +279,35 @@ def _refuse(path: _PATH, reason: str) -> None:
     )
 
 
+def _not_weights_only(path: _PATH, error: Exception) -> RuntimeError:
+    reason = next((line.strip() for line in str(error).splitlines() if "WeightsUnpickler error" in line), "")
+    return RuntimeError(
+        f"Could not read the checkpoint {path} with weights_only=True: it holds objects other than tensors and plain "
+        f"Python values ({reason or type(error).__name__}). If you trust where it comes from, pass "
+        "weights_only=False with the path: `trainer.fit(model, ckpt_path=..., weights_only=False)` (validate, "
+        "test and predict take it too); loading it runs the code it names."
+    )
+
+
+def _check_target(path: Path) -> None:
+    """Refuse to overwrite a directory that is not a checkpoint."""
+    if path.is_dir() and not path.is_symlink() and not is_sharded_checkpoint(path) and any(path.iterdir()):
+        raise IsADirectoryError(f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint.")
+
+
 def _prepare(path: Path, partial: Path) -> None:
     """Refuse to overwrite a directory that is not a checkpoint; make an empty ``partial`` to write into."""
-    if path.is_dir() and not is_sharded_checkpoint(path) and any(path.iterdir()):
-        raise IsADirectoryError(f"Cannot save a checkpoint to {path}: it is a directory that is not a checkpoint.")
-    shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+    _check_target(path)
+    _remove_path(partial)  # left by a save that was killed
     partial.mkdir(parents=True)
+
+
+def _remove_path(path: Path) -> None:
+    """Remove a file, link or directory tree, if there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
 
 
 def _rank(group: Any) -> int:
@@ -274,19 +334,20 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
-def _replace_directory(source: Path, target: Path) -> None:
-    """Put the complete checkpoint ``source`` at ``target``, replacing what is there, atomically where possible."""
-    if target.is_symlink() or target.is_file():
-        target.unlink()
-    if not target.exists():
+def _replace(source: Path, target: Path) -> None:
+    """Put the complete checkpoint ``source`` (a directory or a file) at ``target``, replacing what is there,
+    atomically where possible."""
+    if source.is_file() and (target.is_symlink() or not target.is_dir()):
+        os.replace(source, target)  # one step, over a file or a link too
+    elif not os.path.lexists(target):
         os.rename(source, target)
     elif _exchange(source, target):
-        shutil.rmtree(source)  # now the old checkpoint
+        _remove_path(source)  # now the old checkpoint
     else:
         # Without an atomic exchange: for a moment `target` is missing (never half-written).
         old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_path(old)
         os.rename(target, old)
         os.rename(source, target)
-        shutil.rmtree(old)
+        _remove_path(old)
     fsync(target.parent)

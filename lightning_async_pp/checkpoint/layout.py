@@ -67,6 +67,9 @@ checkpoint, from which :func:`lightning_async_pp.models.hf.save_pretrained` writ
 SHARD_KEY = "async_pp_shard"
 """Marks a payload for :class:`~lightning_async_pp.checkpoint.ShardedCheckpointIO` (anything else is written as one
 ``torch.save`` file)."""
+FILE_ORDER_KEY = "async_pp_single_file"
+"""In a sharded payload: the whole model's ``state_dict`` names, in order, asking for the single-file form (rank 0
+turns the shards into one file, see :mod:`~lightning_async_pp.checkpoint.single_file`); absent for a directory."""
 
 MODEL_PREFIX, PREVIOUS_PREFIX, STATE_PREFIX, GROUP_PREFIX, RNG_PREFIX = (
     "state_dict.",
@@ -204,7 +207,9 @@ def load_stage(
         aliases: :func:`parameter_aliases` of the whole model: a tied copy reads the training state saved under
             the parameter's first name, wherever that copy lives now.
     """
-    targets: dict[str, Any] = {MODEL_PREFIX + name: tensor for name, tensor in state_dict.items()}
+    available = index.state_dict_metadata
+    # A name the checkpoint lacks is left as it is (``strict_loading=False``; otherwise refused before, by compat).
+    targets: dict[str, Any] = {MODEL_PREFIX + n: t for n, t in state_dict.items() if MODEL_PREFIX + n in available}
     names: dict[int, str] = {}
     if optimizer is not None:
         training, names = _training_targets(index, module, optimizer, previous, stage, aliases or {})
@@ -222,13 +227,54 @@ def load_stage(
             f"Could not read the checkpoint {path} (stage {stage} reads {files}): a shard is damaged or unreadable "
             f"({type(error).__name__}: {error}). Resume from another checkpoint."
         ) from error
-    loaded = planner.state_dict
-    if optimizer is None:
-        return
+    if optimizer is not None:
+        _restore_training(optimizer, names, planner.state_dict, stage)
+
+
+def restore_stage(
+    entries: dict[str, Any],
+    *,
+    state_dict: dict[str, Tensor],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    previous: dict[str, Tensor] | None,
+    stage: int,
+    aliases: dict[str, str] | None = None,
+) -> None:
+    """:func:`load_stage` from entries already in memory, under the sharded form's keys (a one-file checkpoint's,
+    see :func:`~lightning_async_pp.checkpoint.single_file.sharded_entries`): this stage's weights, and with an
+    ``optimizer`` its ``w[t-1]``, optimizer state and RNG, copied in place."""
+    with torch.no_grad():
+        for name, tensor in state_dict.items():
+            if MODEL_PREFIX + name in entries:
+                tensor.copy_(entries[MODEL_PREFIX + name])
+        if optimizer is None:
+            return
+        aliases = aliases or {}
+        for name, tensor in (previous or {}).items():
+            key = PREVIOUS_PREFIX + _saved_name(name, aliases, entries)
+            if key in entries:
+                tensor.copy_(entries[key])
+    names = {id(p): _saved_name(n, aliases, entries) for n, p in module.named_parameters()}
+    _restore_training(optimizer, names, entries, stage)
+
+
+def _restore_training(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], loaded: dict[str, Any], stage: int
+) -> None:
     _load_optimizer(optimizer, names, loaded)
     rng = loaded.get(f"{RNG_PREFIX}{stage}")
     if rng is not None:
         set_rng_state(rng)
+
+
+def _saved_name(name: str, aliases: dict[str, str], available: Any) -> str:
+    """The name a parameter's training state is saved under: its first name's shared entry, or, in a checkpoint that
+    has none (saved before tied copies shared one), the copy's own."""
+    canonical = aliases.get(name, name)
+    if canonical == name or GROUP_PREFIX + canonical in available or PREVIOUS_PREFIX + canonical in available:
+        return canonical
+    return name
 
 
 def _training_targets(
@@ -244,11 +290,7 @@ def _training_targets(
     targets: dict[str, Any] = {}
 
     def saved_name(name: str) -> str:
-        # The shared entry; a checkpoint that has none (saved before tied copies shared one) has the copy's own.
-        canonical = aliases.get(name, name)
-        if canonical == name or GROUP_PREFIX + canonical in available or PREVIOUS_PREFIX + canonical in available:
-            return canonical
-        return name
+        return _saved_name(name, aliases, available)
 
     for name, tensor in (previous or {}).items():
         if PREVIOUS_PREFIX + saved_name(name) in available:

@@ -38,17 +38,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_async_pp.checkpoint import is_sharded_checkpoint
-from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.runtime.contract import is_pipeline_module
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
 from lightning_async_pp.runtime.timing import StepStats
 from lightning_async_pp.strategy.checkpointing import (
+    CheckpointRestore,
     PipelineCheckpoint,
     base_checkpoint_io,
     remove_checkpoint,
     sharded_checkpoint_io,
+    single_file_form,
 )
 from lightning_async_pp.strategy.failure import FailureGuard
 from lightning_async_pp.strategy.launch import (
@@ -123,10 +123,12 @@ class AsyncPipelineStrategy(PipelineProcesses):
         accelerator: Set by the ``Trainer``.
         parallel_devices: Set by the ``Trainer``.
         cluster_environment: Set by the ``Trainer``.
-        checkpoint_io: Checkpoint plugin. Checkpoints are directories with one shard per stage (see
-            :mod:`lightning_async_pp.checkpoint`), written by
-            :class:`~lightning_async_pp.checkpoint.ShardedCheckpointIO`; another plugin given here writes their
-            metadata file, and Lightning's ``AsyncCheckpointIO`` runs the whole save in its background thread.
+        save_distributed_checkpoint: As ``ModelParallelStrategy``'s: ``True`` writes a directory of shards (see
+            :mod:`lightning_async_pp.checkpoint`), ``False`` Lightning's single file (gathered by rank 0, see
+            :mod:`~lightning_async_pp.checkpoint.single_file`); ``None``: a file on one process, else the directory.
+        checkpoint_io: Checkpoint plugin. :class:`~lightning_async_pp.checkpoint.ShardedCheckpointIO` writes both
+            forms; another plugin given here writes the files (and ``meta.pt``), Lightning's ``AsyncCheckpointIO``
+            runs the whole save in its thread.
         precision_plugin: Set by the ``Trainer``.
         process_group_backend: ``torch.distributed`` backend (default: NCCL on GPUs, gloo on CPUs).
         timeout: How long a process waits for a transfer or collective before it gives up and brings the job
@@ -148,6 +150,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         stage_timing: bool = True,
         shard_optimizer: bool = False,
         start_method: Literal["popen", "spawn"] = "popen",
+        save_distributed_checkpoint: bool | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -158,6 +161,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
     ) -> None:
         check_arguments(schedule, num_microbatches, pipeline_parallel_size, balance, start_method)
         check_option(activation_checkpointing)
+        single_file_form(save_distributed_checkpoint, multi_process=False)  # refuses another value
         super().__init__(
             accelerator,
             parallel_devices,
@@ -179,11 +183,12 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.stage_timing = stage_timing
         self.shard_optimizer = shard_optimizer
         self.start_method = start_method
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self._data_seed = 0
         self._stage: PipelineStage | None = None
         self._window = AccumulationWindow()  # the batches of one optimizer step (gradient accumulation)
         self._single_device = SingleDevice(self._window)
-        self._restored_sharded = False
+        self._restore = CheckpointRestore()
         self._failure = FailureGuard()
 
     @property
@@ -284,6 +289,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
                 self._stage.start_training(trainer, self.optimizers, count)
         if self.multi_process:
             base_checkpoint_io(self.checkpoint_io).process_group = self._stage.groups.checkpoint
+        self._restore.into_stage(self._checkpoint(), trainer.state.fn == TrainerFn.FITTING)
 
     def _setup_stage(self, trainer: Trainer, module: LightningModule) -> PipelineStage:
         """Create the process groups, agree on the data order, and cut the module down to this rank's stage."""
@@ -405,9 +411,9 @@ class AsyncPipelineStrategy(PipelineProcesses):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        # Each stage reads its own layers' tensors into the placed (materialised) stage, its optimizer and
-        # runtime already built.
-        return True
+        # Lightning's order (hooks and callbacks restored before `setup`); the tensors of a sharded or
+        # several-process checkpoint are read at the end of `setup`, into the placed stage.
+        return False
 
     @property
     @override
@@ -421,7 +427,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a checkpoint directory: each stage its own shard (replica 0 of each stage), rank 0 the metadata.
+        """Write a checkpoint in the form ``save_distributed_checkpoint`` asks: a directory (each stage its own
+        shard, rank 0 the metadata) or a single file.
 
         Every rank calls this (Lightning's ``trainer.save_checkpoint`` and ``ModelCheckpoint`` do).
         """
@@ -436,6 +443,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
             self.global_rank,
             self.num_microbatches,
             self.root_device,
+            single_file_form(self.save_distributed_checkpoint, self.multi_process),
             self.shard_optimizer,
             self._stage,
             self._single_device.delayed_weights,
@@ -447,25 +455,20 @@ class AsyncPipelineStrategy(PipelineProcesses):
             remove_checkpoint(self.checkpoint_io, filepath)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Read Lightning's metadata and, in place, this stage's tensors, from any stage count it was saved with."""
-        self._restored_sharded = False
-        if not is_sharded_checkpoint(checkpoint_path):
-            check_checkpoint_path(checkpoint_path)  # one process: no launcher checked it
-            return self.checkpoint_io.load_checkpoint(checkpoint_path)  # a single-file (consolidated) checkpoint
-        meta = self._checkpoint().load(self.checkpoint_io, checkpoint_path)
-        self._restored_sharded = True
-        return meta
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """What Lightning restores from; each stage reads its part of the tensors at the end of ``setup``."""
+        return self._restore.read(self._checkpoint(), self.checkpoint_io, checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if not self._restored_sharded:
+        if self._restore.lightning_restores:
             super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if not self._restored_sharded:
+        if self._restore.lightning_restores:
             super().load_optimizer_state_dict(checkpoint)
+        self._restore.after_optimizers(self._checkpoint())
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -473,6 +476,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def teardown(self) -> None:
+        self._restore.restored = None
         if self._failure.teardown(self.flush):  # failed: no drain (peers are not draining), groups aborted
             return
         # The (drained) runtime and the delayed weights stay, so that `trainer.save_checkpoint` after `fit`

@@ -18,8 +18,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
-from lightning_async_pp.checkpoint import ShardedCheckpointIO
-from lightning_async_pp.checkpoint.compat import check_checkpoint_path, check_compatible
+from lightning_async_pp import AsyncPipelineStrategy
+from lightning_async_pp.checkpoint import SHARD_KEY, ShardedCheckpointIO
+from lightning_async_pp.checkpoint.compat import (
+    check_checkpoint_path,
+    check_compatible,
+    check_named_optimizer_state,
+    saved_shapes,
+)
 from lightning_async_pp.checkpoint.safe import read_index
 from lightning_async_pp.cli import unreadable_checkpoint_message
 from lightning_async_pp.demos import TextDataModule
@@ -66,7 +72,7 @@ def _text_file(folder: Path) -> None:
 def _another_model(folder: Path) -> None:
     saved = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3]), [])
     index = Metadata(state_dict_metadata={"state_dict.w": saved})
-    check_compatible(folder / "epoch=0-step=2.ckpt", {}, index, "2bw", {"w": (2,), "v": (1,)})
+    check_compatible(folder / "epoch=0-step=2.ckpt", {}, saved_shapes(index), "2bw", {"w": (2,), "v": (1,)})
 
 
 def _crafted_index(folder: Path) -> None:
@@ -89,6 +95,15 @@ def _removal_outside(folder: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         io.remove_checkpoint(folder / "run" / ".." / "kept.ckpt")
+
+
+def _needs_weights_only_false(folder: Path) -> None:
+    torch.save({"state_dict": {}, "hyper_parameters": {"thing": Unsafe()}}, folder / "model.ckpt")
+    ShardedCheckpointIO().load_checkpoint(folder / "model.ckpt")
+
+
+def _url_of_several_processes(folder: Path) -> None:
+    ShardedCheckpointIO().save_checkpoint({SHARD_KEY: True, "shard": {}, "meta": None}, "s3://bucket/step=2.ckpt")
 
 
 def _tokens_over_their_source(folder: Path) -> None:
@@ -153,6 +168,12 @@ REFUSALS: dict[str, Callable[[Path], None]] = {
     "checkpoint of another model": _another_model,
     "crafted checkpoint index": _crafted_index,
     "removal outside the checkpoint folder": _removal_outside,
+    "checkpoint that needs weights_only=False": _needs_weights_only_false,
+    "optimizer state of another strategy on several stages": lambda folder: check_named_optimizer_state(
+        folder / "model.ckpt", {"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]}
+    ),
+    "sharded checkpoint to a URL": _url_of_several_processes,
+    "checkpoint form": lambda _: AsyncPipelineStrategy(save_distributed_checkpoint="full"),
     "token file named .json": lambda folder: write_token_file("builtin", folder / "train.json"),
     "token file over its source": _tokens_over_their_source,
     "token header over another file": _header_over_another_json,

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--async-io", action="store_true", help="Lightning's AsyncCheckpointIO plugin")
     parser.add_argument("--dcp-async", action="store_true", help="ShardedCheckpointIO(async_save=True)")
+    parser.add_argument("--single-file", action="store_true", help="save_distributed_checkpoint=False")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -64,7 +65,9 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        strategy=AsyncPipelineStrategy(num_microbatches=2, start_method="popen"),
+        strategy=AsyncPipelineStrategy(
+            num_microbatches=2, start_method="popen", save_distributed_checkpoint=not args.single_file
+        ),
         callbacks=[checkpoints],
         val_check_interval=2,
         limit_val_batches=1,

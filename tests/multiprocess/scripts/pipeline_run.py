@@ -124,6 +124,12 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--save-checkpoint", action="store_true")
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument(
+        "--checkpoint-form",
+        choices=["auto", "directory", "file"],
+        default="auto",
+        help="save_distributed_checkpoint: None, True or False",
+    )
     parser.add_argument("--kill-rank", type=int, default=None, help="SIGKILL this rank at --fail-step")
     parser.add_argument("--nan-step", type=int, default=None, help="make the loss NaN from this step on")
     parser.add_argument("--fail-step", type=int, default=3)
@@ -186,6 +192,7 @@ def _run(args: argparse.Namespace) -> None:
         trace_dir=str(Path(args.out) / "trace") if args.trace else None,
         shard_optimizer=args.shard_optimizer,
         activation_checkpointing=args.recompute,
+        save_distributed_checkpoint={"auto": None, "directory": True, "file": False}[args.checkpoint_form],
     )
     recorder = Recorder()
     callbacks = [recorder, FaultInjector(args.kill_rank, args.nan_step, args.fail_step, args.out), StopAt(args.stop_at)]

@@ -1,4 +1,5 @@
-"""Sharded checkpoints on one device and on stages: format, safety, Lightning's checkpoint features."""
+"""Sharded checkpoints on one device (``save_distributed_checkpoint=True``) and on stages: format, safety,
+Lightning's checkpoint features. The single-file form: tests/unit/checkpoint/test_single_file.py."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _single_device_checkpoint(tmp_path, *, weights_only=False, optimizer="correc
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        strategy=AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -149,7 +150,7 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        strategy=AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True),
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -183,7 +184,8 @@ KILLED_SAVE = textwrap.dedent("""
 
     FileSystemWriter.write_data = write_then_die
     checkpoints = ModelCheckpoint(dirpath=sys.argv[1], every_n_train_steps=2, save_last=True, save_top_k=-1)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=AsyncPipelineStrategy(num_microbatches=2), max_steps=6,
+    strategy = AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=6,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoints])
     trainer.fit(tiny_gpt(n_layer=4), loader(random_batches(6)))
 """)
@@ -207,7 +209,7 @@ def test_save_killed_midway_is_never_last(tmp_path):
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        strategy=AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=True),
         max_steps=6,
         logger=False,
         enable_progress_bar=False,
@@ -316,3 +318,22 @@ def test_model_checkpoint_keeps_the_top_two_on_two_stages(tmp_path, io):
     assert {f"state_dict.{n}" for n in weights} | {f"previous.{n}" for n in weights} <= set(last)
     assert sorted(last) == sorted(best) and all(torch.equal(last[k], best[k]) for k in best)
     assert any(not torch.equal(last[f"state_dict.{n}"], weights[n]) for n in weights)  # 2 more steps trained
+
+
+@pytest.mark.multiprocess
+def test_model_checkpoint_keeps_the_top_two_files_of_two_stages(tmp_path):
+    """save_distributed_checkpoint=False on 2 stages: the same top two and `last`, each one file that loads on one
+    device with `load_from_checkpoint` and holds what the stages held."""
+    from lightning_async_pp.demos import GPT
+
+    result, weights = _checkpoint_run(tmp_path, "--single-file")
+    assert result["best_k_models"] == {"step=8.ckpt": 0.5, "step=4.ckpt": 1.0}
+    directory = tmp_path / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt", "step=4.ckpt", "step=8.ckpt"]
+    assert all((directory / name).is_file() for name in ("last.ckpt", "step=4.ckpt", "step=8.ckpt"))
+    best = GPT.load_from_checkpoint(directory / result["best_model_path"])
+    last = torch.load(directory / "last.ckpt")
+    assert last["global_step"] == 8 and sorted(last["async_pp"]["rng"]) == [0, 1]
+    for name, value in best.state_dict().items():
+        assert torch.equal(value, last["state_dict"][name]), name  # step 8 is both the best and the last
+    assert any(not torch.equal(last["state_dict"][n], weights[n]) for n in weights)  # 2 more steps trained

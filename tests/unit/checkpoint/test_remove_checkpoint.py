@@ -93,11 +93,11 @@ def test_link_in_its_folder_is_removed_not_its_target(layout):
     assert _tree(outside) == before
 
 
-def _trainer(checkpoints, steps: int) -> Trainer:
+def _trainer(checkpoints, steps: int, distributed: bool) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=AsyncPipelineStrategy(num_microbatches=2),
+        strategy=AsyncPipelineStrategy(num_microbatches=2, save_distributed_checkpoint=distributed),
         max_steps=steps,
         logger=False,
         enable_progress_bar=False,
@@ -107,21 +107,24 @@ def _trainer(checkpoints, steps: int) -> Trainer:
     )
 
 
-def test_crafted_checkpoint_cannot_make_a_resume_delete_outside(tmp_path):
+@pytest.mark.parametrize("distributed", [True, False], ids=["directory", "file"])
+def test_crafted_checkpoint_cannot_make_a_resume_delete_outside(tmp_path, distributed):
     """A checkpoint whose ModelCheckpoint state names `<dirpath>/../victim.ckpt`, resumed: that folder stays."""
     checkpoints = tmp_path / "checkpoints"
-    _trainer(checkpoints, 2).fit(tiny_gpt(), loader(random_batches(2)))
+    _trainer(checkpoints, 2, distributed).fit(tiny_gpt(), loader(random_batches(2)))
     resume = checkpoints / "epoch=0-step=2.ckpt"
     victim = tmp_path / "victim.ckpt"
     _save(ShardedCheckpointIO(), victim)  # even a checkpoint of this strategy, outside the folder
-    meta = torch.load(resume / "meta.pt", weights_only=True)
+    meta_file = resume / "meta.pt" if distributed else resume
+    meta = torch.load(meta_file, weights_only=True)
     (key,) = [k for k in meta["callbacks"] if k.startswith("ModelCheckpoint")]
     meta["callbacks"][key]["best_model_path"] = str(checkpoints / ".." / "victim.ckpt")
-    torch.save(meta, resume / "meta.pt")
+    torch.save(meta, meta_file)
     before = _tree(victim)
 
-    trainer = _trainer(checkpoints, 3)
+    trainer = _trainer(checkpoints, 3, distributed)
     with pytest.warns(UserWarning, match="Did not remove .*victim.ckpt: it is .*outside the folders"):
         trainer.fit(tiny_gpt(), loader(random_batches(3)), ckpt_path=str(resume))
     assert _tree(victim) == before
-    assert (checkpoints / "epoch=1-step=3.ckpt" / "meta.pt").is_file()  # the resumed run saved on
+    saved = checkpoints / "epoch=1-step=3.ckpt"
+    assert (saved / "meta.pt").is_file() if distributed else saved.is_file()  # the resumed run saved on
