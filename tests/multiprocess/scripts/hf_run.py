@@ -97,7 +97,12 @@ def build(args):
     if args.pretrained:
         from lightning_async_pp.models import CausalLM
 
-        return CausalLM(pretrained=args.pretrained, optimizer=make_optimizer(args.optimizer), lr_schedule="constant")
+        return CausalLM(
+            pretrained=args.pretrained,
+            optimizer=make_optimizer(args.optimizer),
+            lr_schedule="constant",
+            attn_implementation=args.attn_implementation,
+        )
     return tiny_causal_lm(args.family, optimizer=make_optimizer(args.optimizer))
 
 
@@ -105,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--family", default="llama")
     parser.add_argument("--pretrained", default=None)
+    parser.add_argument("--attn-implementation", default="sdpa", help="with --pretrained")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=2)

@@ -1,0 +1,47 @@
+"""Mixtures of experts accepted by their structure, trained on 2 stages under 2BW: transformers' own loop on the
+delayed weights, from a save_pretrained folder where transformers writes the tensors under their own names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from tests.fixtures.hf_models import adamw, plain_hf_training, token_batches  # noqa: E402
+from tests.unit.models.test_hf_models import assert_same_weights, hf_twin, materialized, run_pipeline  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize(
+    "family, pretrained",
+    # GPT-OSS: router loss, attention sinks, sliding windows, expert biases, from its folder. DeepSeek-V3: a dense
+    # first layer, shared experts, grouped sigmoid routing with its score-correction bias, no router term.
+    [("gpt_oss", True), ("deepseek_v3", False)],
+)
+def test_2bw_two_stages_equal_transformers_own_loop_on_delayed_weights(tmp_path, family, pretrained):
+    steps, microbatches = 6, 2
+    source = materialized(family)
+    twin = hf_twin(source)
+    args = ["--devices", "2", "--schedule", "2bw", "--microbatches", str(microbatches), "--steps", str(steps)]
+    if pretrained:
+        with torch.no_grad():
+            for parameter in twin.parameters():  # weights unlike any fresh initialisation
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+        twin.save_pretrained(tmp_path / "folder")
+        twin = AutoModelForCausalLM.from_pretrained(tmp_path / "folder", attn_implementation="eager")
+        args += ["--pretrained", str(tmp_path / "folder"), "--attn-implementation", "eager"]
+    else:
+        args += ["--family", family]
+    result, weights, _ = run_pipeline(tmp_path / "run", *args, "--padding")
+    aux: list[float] = []
+    batches = token_batches(steps, padding=True)
+    expected = plain_hf_training(twin, batches, microbatches, make_optimizer=adamw, aux_losses=aux, delayed=True)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=0, atol=2e-4)
+    if family == "gpt_oss":  # the routers' loss, summed over the stages, is the one transformers adds
+        assert len(result["aux_losses"]) == steps
+        torch.testing.assert_close(torch.tensor(result["aux_losses"]), torch.tensor(aux), rtol=0, atol=2e-4)
+    assert_same_weights(weights, twin.state_dict(), rtol=1e-4, atol=1e-4)  # AdamW's first steps magnify rounding
