@@ -35,7 +35,8 @@ from lightning_async_pp.models.hf_layers import (
     input_ids,
     split_layers,
 )
-from lightning_async_pp.models.hf_moe import Objective, route, routers, stored_elsewhere
+from lightning_async_pp.models.hf_moe import Objective, RoutedDecoderLayer, route, routers, stored_elsewhere
+from lightning_async_pp.models.hf_router_stats import RouterStatistics
 from lightning_async_pp.models.hf_structure import prove_cut, refuse_unsupported
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
@@ -217,6 +218,8 @@ class CausalLM(LightningModule):
         compile_blocks((layer.layer for layer in layers if isinstance(layer, DecoderLayer)), compile)
         layers, self.router_loss = route(layers, model)  # a mixture of experts' decoders carry router totals
         self.objective = Objective(model, self.router_loss)
+        sparse = [i - 1 for i, layer in enumerate(layers) if isinstance(layer, RoutedDecoderLayer) and layer.sparse]
+        self.router_statistics = RouterStatistics(sparse)  # rows added by the last stage, logged once per step
         self.layers = nn.ModuleList(layers)
         hf_names: dict[int, list[str]] = {}
         for name, tensor in model.state_dict(keep_vars=True).items():  # persistent buffers too (DeepSeek's bias)
@@ -345,6 +348,8 @@ class CausalLM(LightningModule):
         """The language-model loss; for a mixture-of-experts model whose output carries the routers' totals
         (:mod:`~lightning_async_pp.models.hf_moe`), with the load-balancing loss's gradient attached to it."""
         labels = batch_value(batch, "labels")
+        if self.training and isinstance(output, tuple) and len(output) > 4:
+            self.router_statistics.add(output[4])  # what each sparse layer's routing did (hf_router_stats)
         return self.objective(output, input_ids(batch) if labels is None else labels)
 
     def pipeline_validation_step(self, output: Tensor, batch: Any, batch_idx: int) -> None:
@@ -373,6 +378,8 @@ class CausalLM(LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         log_lr_and_throughput(self, input_ids(batch).numel(), self._batch_start)
+        for name, value in self.router_statistics.metrics().items():  # device tensors: no host sync here
+            self.log(name, value, on_step=True, on_epoch=False)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:

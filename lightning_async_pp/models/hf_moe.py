@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.models.hf_router_stats import layer_row
 from lightning_async_pp.runtime.auxiliary import attach_auxiliary_loss
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -130,8 +131,8 @@ class RouterLoss:
         return mask.reshape(-1).to(device=weights.device, dtype=torch.float32)
 
     def __call__(self, totals: Sequence[Tensor]) -> Tensor:
-        """The load-balancing loss of the totals of every sparse layer."""
-        assigned, probability, rows = totals
+        """The load-balancing loss of the totals of every sparse layer (what follows them is ignored)."""
+        assigned, probability, rows = totals[0], totals[1], totals[2]
         return torch.sum((assigned / rows) * (probability / rows).unsqueeze(0)) * self.num_experts
 
     def attach(self, loss: Tensor, totals: Sequence[Tensor]) -> Tensor:
@@ -152,8 +153,9 @@ class RoutedDecoderLayer(nn.Module):
     """A decoder layer of a mixture-of-experts model that adds its routers' statistics to the totals.
 
     It takes and returns the hidden states alone until the first sparse layer, then
-    ``(hidden, assigned, probability, rows)``; a dense layer (Qwen2-MoE's ``mlp_only_layers``, DeepSeek-V3's first
-    layers) hands the totals on.
+    ``(hidden, assigned, probability, rows, statistics)``; a dense layer (Qwen2-MoE's ``mlp_only_layers``, ERNIE's
+    first layers) hands them on. ``statistics`` has one row per sparse layer so far
+    (:mod:`~lightning_async_pp.models.hf_router_stats`).
 
     Args:
         decoder: The pipeline layer it runs (``hf_layers.DecoderLayer``): its ``transformers`` layer and rotary
@@ -171,8 +173,11 @@ class RoutedDecoderLayer(nn.Module):
         self._decoder = (decoder,)  # not registered: its modules are this module's
         self.router_loss = loss
         self._logits: list[Tensor] = []
+        self._selected: list[Tensor] = []
         self.sparse = False
         for name, module in self.layer.named_modules():
+            if name.rpartition(".")[2].endswith("experts"):  # called with the tokens' experts (top_k_index)
+                module.register_forward_pre_hook(self._select)
             for recorder in recorders:
                 if _recorded(recorder, name, module):
                     # Read from the router's output as transformers' own recorder does: the decoder layer is run
@@ -186,14 +191,22 @@ class RoutedDecoderLayer(nn.Module):
 
         return record
 
+    def _select(self, module: nn.Module, args: Any) -> None:
+        if len(args) > 1 and isinstance(args[1], Tensor) and not args[1].is_floating_point():
+            self._selected.append(args[1].detach())
+
     def forward(self, x: Tensor | tuple[Tensor, ...], batch: Any = None) -> Tensor | tuple[Tensor, ...]:
-        hidden, totals = (x, None) if isinstance(x, Tensor) else (x[0], x[1:])
-        self._logits = []
+        hidden, totals = (x, None) if isinstance(x, Tensor) else (x[0], x[1:4])
+        table = None if isinstance(x, Tensor) else x[4]
+        self._logits, self._selected = [], []
         hidden = self._decoder[0](hidden, batch)
-        logits, self._logits = self._logits, []
+        (logits, self._logits), (selected, self._selected) = (self._logits, []), (self._selected, [])
         for layer_logits in logits:
             totals = self.router_loss.add(totals, layer_logits, batch)
-        return hidden if totals is None else (hidden, *totals)
+        if logits:
+            row = layer_row(logits, selected, batch, self.router_loss.top_k).unsqueeze(0)
+            table = row if table is None else torch.cat([table, row])
+        return hidden if totals is None else (hidden, *totals, table)
 
 
 def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], RouterLoss | None]:
@@ -242,7 +255,7 @@ class Objective:
         self.router_loss = router_loss
 
     def _parts(self, output: Tensor | tuple[Tensor, ...], labels: Tensor) -> tuple[Tensor, Sequence[Tensor] | None]:
-        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:])
+        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:4])
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size)
         return loss, (totals if self.router_loss is not None and totals else None)
 

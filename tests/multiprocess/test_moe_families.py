@@ -16,6 +16,28 @@ from tests.unit.models.test_hf_models import assert_same_weights, hf_twin, mater
 pytestmark = pytest.mark.multiprocess
 
 
+def router_metrics(microbatches: list, top_k: int) -> dict[str, float]:
+    """Per sparse layer, what its routing did over a step's micro-batches, from transformers' router logits (GPT-OSS
+    routes each token to the top-k of its logits)."""
+    out = {}
+    for layer in range(len(microbatches[0][0])):
+        counts = probability = 0.0
+        z = tokens = 0.0
+        for layer_logits, mask in microbatches:
+            logits = layer_logits[layer].double()
+            kept = mask.reshape(-1).double()
+            chosen = torch.nn.functional.one_hot(logits.topk(top_k).indices, logits.shape[-1]).sum(1)
+            counts = counts + (chosen * kept[:, None]).sum(0)
+            probability = probability + (logits.softmax(-1) * kept[:, None]).sum(0)
+            z, tokens = z + float((logits.logsumexp(-1) ** 2 * kept).sum()), tokens + float(kept.sum())
+        experts = counts.shape[0]
+        out[f"moe/layer{layer}/max_share"] = float(counts.max() / counts.sum())
+        out[f"moe/layer{layer}/idle_experts"] = float((counts == 0).sum())
+        out[f"moe/layer{layer}/balance_loss"] = float(experts * ((counts / tokens) * (probability / tokens)).sum())
+        out[f"moe/layer{layer}/z_loss"] = z / tokens
+    return out
+
+
 @pytest.mark.parametrize(
     "family, pretrained",
     # GPT-OSS: router loss, attention sinks, sliding windows, expert biases, from its folder. DeepSeek-V3: a dense
@@ -36,12 +58,19 @@ def test_2bw_two_stages_equal_transformers_own_loop_on_delayed_weights(tmp_path,
         args += ["--pretrained", str(tmp_path / "folder"), "--attn-implementation", "eager"]
     else:
         args += ["--family", family]
-    result, weights, _ = run_pipeline(tmp_path / "run", *args, "--padding")
+    result, weights, _ = run_pipeline(tmp_path / "run", *args, "--padding", "--log-metrics")
     aux: list[float] = []
-    batches = token_batches(steps, padding=True)
-    expected = plain_hf_training(twin, batches, microbatches, make_optimizer=adamw, aux_losses=aux, delayed=True)
+    batches, logits = token_batches(steps, padding=True), []
+    expected = plain_hf_training(
+        twin, batches, microbatches, make_optimizer=adamw, aux_losses=aux, delayed=True, router_logits=logits
+    )
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=0, atol=2e-4)
     if family == "gpt_oss":  # the routers' loss, summed over the stages, is the one transformers adds
         assert len(result["aux_losses"]) == steps
         torch.testing.assert_close(torch.tensor(result["aux_losses"]), torch.tensor(aux), rtol=0, atol=2e-4)
+        # What each layer's routing did, logged from the last stage, against transformers' own router logits.
+        for step, microbatch_logits in enumerate(logits):
+            logged = result["logged"][str(step)]
+            for name, value in router_metrics(microbatch_logits, top_k=2).items():
+                assert logged[name] == pytest.approx(value, abs=2e-4), (step, name)
     assert_same_weights(weights, twin.state_dict(), rtol=1e-4, atol=1e-4)  # AdamW's first steps magnify rounding

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
 import lightning_async_pp.models.hf as hf  # noqa: E402
@@ -67,6 +68,28 @@ class Recorder(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if "val/loss" in trainer.callback_metrics:
             self.val_losses.append(float(trainer.callback_metrics["val/loss"]))
+
+
+class MemoryLogger(Logger):
+    """Keeps what Lightning logs, per step (rank 0 writes it to result.json)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.setdefault(int(step), {}).update({k: float(v) for k, v in metrics.items()})
 
 
 def make_optimizer(name: str):
@@ -126,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit"
     )
+    parser.add_argument("--log-metrics", action="store_true", help="log every step; result.json's 'logged'")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -143,6 +167,7 @@ def main(argv=None) -> None:
         timeout=__import__("datetime").timedelta(seconds=120),
     )
     recorder = Recorder()
+    logger = MemoryLogger() if args.log_metrics else None
     train, val = batches_for(args)
     validation = (
         dict(val_check_interval=args.val_every, check_val_every_n_epoch=None)
@@ -154,7 +179,8 @@ def main(argv=None) -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
+        logger=logger if logger is not None else False,
+        log_every_n_steps=1 if logger is not None else None,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -185,6 +211,7 @@ def main(argv=None) -> None:
             "losses": recorder.losses,
             "val_losses": recorder.val_losses,
             "aux_losses": [aux[k] for k in sorted(aux)],
+            "logged": logger.metrics if logger is not None else {},
         }
         (out / "result.json").write_text(json.dumps(result))
 
