@@ -348,8 +348,8 @@ class CausalLM(LightningModule):
         """The language-model loss; for a mixture-of-experts model whose output carries the routers' totals
         (:mod:`~lightning_async_pp.models.hf_moe`), with the load-balancing loss's gradient attached to it."""
         labels = batch_value(batch, "labels")
-        if self.training and isinstance(output, tuple) and len(output) > 4:
-            self.router_statistics.add(output[4])  # what each sparse layer's routing did (hf_router_stats)
+        if self.training and isinstance(output, tuple):
+            self.router_statistics.add(output[-1])  # what each sparse layer's routing did (hf_router_stats)
         return self.objective(output, input_ids(batch) if labels is None else labels)
 
     def pipeline_validation_step(self, output: Tensor, batch: Any, batch_idx: int) -> None:

@@ -153,25 +153,27 @@ class RoutedDecoderLayer(nn.Module):
     """A decoder layer of a mixture-of-experts model that adds its routers' statistics to the totals.
 
     It takes and returns the hidden states alone until the first sparse layer, then
-    ``(hidden, assigned, probability, rows, statistics)``; a dense layer (Qwen2-MoE's ``mlp_only_layers``, ERNIE's
-    first layers) hands them on. ``statistics`` has one row per sparse layer so far
-    (:mod:`~lightning_async_pp.models.hf_router_stats`).
+    ``(hidden, assigned, probability, rows, statistics)`` (``(hidden, statistics)`` without a load-balancing loss);
+    a dense layer (Qwen2-MoE's ``mlp_only_layers``, DeepSeek-V3's first layers) hands them on. ``statistics`` has
+    one row per sparse layer so far (:mod:`~lightning_async_pp.models.hf_router_stats`).
 
     Args:
         decoder: The pipeline layer it runs (``hf_layers.DecoderLayer``): its ``transformers`` layer and rotary
             embedding are registered here under the same names, so parameter names are those of a dense model.
         recorders: ``transformers``' recorders of the router logits (:func:`routers`).
-        loss: The loss the totals are for.
+        loss: The loss the totals are for (``None``: the statistics alone travel).
+        top_k: Experts per token, for the statistics of a layer whose experts module does not say which.
     """
 
     reads_batch = True
 
-    def __init__(self, decoder: nn.Module, recorders: Sequence[Any], loss: RouterLoss) -> None:
+    def __init__(self, decoder: nn.Module, recorders: Sequence[Any], loss: RouterLoss | None, top_k: int) -> None:
         super().__init__()
         self.layer = decoder.layer
         self.rotary_emb = decoder.rotary_emb
         self._decoder = (decoder,)  # not registered: its modules are this module's
         self.router_loss = loss
+        self.top_k = top_k
         self._logits: list[Tensor] = []
         self._selected: list[Tensor] = []
         self.sparse = False
@@ -196,28 +198,28 @@ class RoutedDecoderLayer(nn.Module):
             self._selected.append(args[1].detach())
 
     def forward(self, x: Tensor | tuple[Tensor, ...], batch: Any = None) -> Tensor | tuple[Tensor, ...]:
-        hidden, totals = (x, None) if isinstance(x, Tensor) else (x[0], x[1:4])
-        table = None if isinstance(x, Tensor) else x[4]
+        hidden, totals, table = (x, None, None) if isinstance(x, Tensor) else (x[0], x[1:-1] or None, x[-1])
         self._logits, self._selected = [], []
         hidden = self._decoder[0](hidden, batch)
         (logits, self._logits), (selected, self._selected) = (self._logits, []), (self._selected, [])
-        for layer_logits in logits:
+        for layer_logits in logits if self.router_loss is not None else ():
             totals = self.router_loss.add(totals, layer_logits, batch)
         if logits:
-            row = layer_row(logits, selected, batch, self.router_loss.top_k).unsqueeze(0)
+            row = layer_row(logits, selected, batch, self.top_k).unsqueeze(0)
             table = row if table is None else torch.cat([table, row])
-        return hidden if totals is None else (hidden, *totals, table)
+        return hidden if table is None else (hidden, *(totals or ()), table)
 
 
 def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], RouterLoss | None]:
-    """The pipeline layers of a ``transformers`` model, with its decoder layers carrying the routers' statistics
-    when its objective has a load-balancing loss and its configuration asks for it, and that loss (``None``
-    otherwise, and for dense models). The head hands the totals on after the logits."""
+    """The pipeline layers of a ``transformers`` model, with the decoder layers of a mixture of experts carrying
+    their routing statistics and, when its objective has a load-balancing loss and its configuration asks for it,
+    the loss's totals; and that loss (``None`` otherwise, and for dense models). The head hands them on after the
+    logits."""
     config = model.config
     recorders, loss = routers(model), load_balancing(model)
-    if not recorders or loss is None:
+    if not recorders:
         return layers, None
-    if not getattr(config, "output_router_logits", False):
+    if loss is not None and not getattr(config, "output_router_logits", False):
         warnings.warn(
             f"This {config.model_type} model trains without its routers' load-balancing loss "
             "(output_router_logits=False, transformers' default), so nothing keeps its experts in use: set "
@@ -225,13 +227,17 @@ def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], R
             UserWarning,
             stacklevel=3,
         )
-        return layers, None
+        loss = None
     blocks = {id(block) for block in model.base_model.get_submodule(_layers_name(model))}
+    top_k = getattr(model, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", None) or 1
+    top_k = max(top_k) if isinstance(top_k, (list, tuple)) else int(top_k)
     routed = [
-        RoutedDecoderLayer(layer, recorders, loss) if id(getattr(layer, "layer", None)) in blocks else layer
+        RoutedDecoderLayer(layer, recorders, loss, top_k) if id(getattr(layer, "layer", None)) in blocks else layer
         for layer in layers
     ]
     if not any(isinstance(layer, RoutedDecoderLayer) and layer.sparse for layer in routed):
+        if loss is None:
+            return layers, None
         raise ValueError(
             f"This {config.model_type} configuration has no sparse layer (see decoder_sparse_step, "
             "mlp_only_layers, first_k_dense_replace), so there is no load-balancing loss to train: set "
@@ -255,7 +261,7 @@ class Objective:
         self.router_loss = router_loss
 
     def _parts(self, output: Tensor | tuple[Tensor, ...], labels: Tensor) -> tuple[Tensor, Sequence[Tensor] | None]:
-        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:4])
+        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:-1])
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size)
         return loss, (totals if self.router_loss is not None and totals else None)
 

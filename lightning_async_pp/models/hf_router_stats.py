@@ -1,8 +1,8 @@
 """What a mixture of experts' routing did, per sparse layer, logged where ``train/loss`` is.
 
-Each sparse decoder layer adds one row to a small float32 table that travels with the hidden states beside the
-load-balancing totals (:mod:`~lightning_async_pp.models.hf_moe`), so that the last stage, which logs, holds
-every layer's row whichever stage ran it::
+Each sparse decoder layer adds one row to a small float32 table that travels with the hidden states, after the
+load-balancing totals where the family trains that loss (:mod:`~lightning_async_pp.models.hf_moe`), so that the
+last stage, which logs, holds every layer's row whichever stage ran it::
 
     [tokens each expert received (E) | router probability per expert (E) | sum of z (1) | tokens (1)]
 

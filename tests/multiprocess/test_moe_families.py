@@ -73,4 +73,7 @@ def test_2bw_two_stages_equal_transformers_own_loop_on_delayed_weights(tmp_path,
             logged = result["logged"][str(step)]
             for name, value in router_metrics(microbatch_logits, top_k=2).items():
                 assert logged[name] == pytest.approx(value, abs=2e-4), (step, name)
+    else:  # no router term; the routing statistics of its sparse layers (1 and 2) are logged all the same
+        assert {f"moe/layer{d}/max_share" for d in (1, 2)} <= set(result["logged"][str(steps - 1)])
+        assert "moe/layer0/max_share" not in result["logged"][str(steps - 1)]
     assert_same_weights(weights, twin.state_dict(), rtol=1e-4, atol=1e-4)  # AdamW's first steps magnify rounding

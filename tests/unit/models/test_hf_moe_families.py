@@ -118,3 +118,46 @@ def test_muon_takes_routed_and_shared_experts_as_matrices_and_leaves_routers_to_
     assert router_names and sorted(routing["routers"]["adamw"]) == sorted(router_names)
     assert not routing["routers"]["muon"]
     assert sparse or family in WITHOUT_ROUTER_TERMS
+
+
+def test_routing_statistics_count_the_experts_the_family_routes_to():
+    """DeepSeek-V3 routes by grouped sigmoid scores and a bias, not by the top-k of a softmax: the logged counts are
+    the experts its gates chose (read here from the gates of transformers' own model), padding excluded."""
+    model = materialized("deepseek_v3")
+    twin = hf_twin(model)
+    with torch.no_grad():  # a score-correction bias that changes the choice, on both models
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.linspace(-1.0, 1.0, buffer.numel()))
+    twin.load_state_dict(model.hf_state_dict())
+    batch = token_batches(1, batch_size=4, seq=12, seed=7, padding=True)[0]
+    model.train()
+    model.pipeline_loss(run_layers(model.layers, batch["input_ids"], batch), batch)
+    logged = model.router_statistics.metrics()
+    chosen, logits = {}, {}
+
+    def record(index):
+        def hook(module, args, output) -> None:  # the gate returns (logits, weights, indices)
+            logits[index], chosen[index] = output[0], output[2]
+
+        return hook
+
+    for index, layer in enumerate(twin.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.gate.register_forward_hook(record(index))
+    twin(**batch)
+    kept = batch["attention_mask"].reshape(-1).double()
+    assert sorted(chosen) == [1, 2]  # the first layer is dense
+    for layer, indices in chosen.items():
+        counts = (torch.nn.functional.one_hot(indices, 8).sum(1).double() * kept[:, None]).sum(0)
+        probability = (logits[layer].double().softmax(-1) * kept[:, None]).sum(0)
+        tokens = float(kept.sum())
+        expected = {
+            "max_share": float(counts.max() / counts.sum()),
+            "idle_experts": float((counts == 0).sum()),
+            "balance_loss": float(8 * (counts / tokens * probability / tokens).sum()),
+            "z_loss": float((logits[layer].double().logsumexp(-1) ** 2 * kept).sum() / tokens),
+        }
+        for key, value in expected.items():
+            assert float(logged[f"moe/layer{layer}/{key}"]) == pytest.approx(value, abs=1e-5), (layer, key)
+    assert model.router_statistics.metrics() == {}  # a step's sums are logged once
