@@ -29,7 +29,9 @@ before the first sparse layer, sends the hidden states alone). The last stage tu
 attaches it to the language-model loss (:func:`~lightning_async_pp.runtime.auxiliary.attach_auxiliary_loss`, with
 the family's coefficient): its gradient flows back through the differentiable sums, across the stages, into every
 router, while the loss the stage returns and logs stays the language-model loss. Each boundary carries ``2E + 1``
-floats more.
+floats more, and, for every mixture of experts, a table of what each sparse layer's routing did
+(:mod:`~lightning_async_pp.models.hf_router_stats`, ``2E + 2`` floats per sparse layer so far), which the last
+stage logs.
 
 The statistics are computed only when the configuration asks for the loss (``output_router_logits=True``), as in
 ``transformers``, whose loss leaves it out otherwise.

@@ -219,8 +219,8 @@ def narrow_config(config: Any) -> Any:
 
     Each head keeps the configuration's own size (so rotary settings stay valid); the copy has one layer per
     distinct kind of layer (``layer_types`` and other per-layer lists; at least two layers), a narrow MLP, a
-    small vocabulary (special token ids outside it become ``None``) and a sliding window below the proof's
-    sequence length.
+    small vocabulary (special token ids outside it become ``None``), a sliding window below the proof's
+    sequence length and, for a mixture of experts, few experts and a sparse layer among its first two.
     """
     narrow = copy.deepcopy(config)
     heads = getattr(config, "num_attention_heads", None)
