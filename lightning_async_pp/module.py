@@ -107,7 +107,8 @@ class PipelineModule(LightningModule):
         attached (a router's load-balancing loss), as ``train/aux_loss``: what ``AsyncPipelineStrategy``
         logs, too."""
         # Lightning divides the loss by accumulate_grad_batches before the backward: the attached losses are
-        # scaled alike, as the strategy scales both by 1 / micro-batches. (Called without a trainer: 1.)
+        # scaled alike, as the strategy scales both by 1 / (accumulate_grad_batches x micro-batches). (Called
+        # without a trainer: 1.)
         accumulated = self._trainer.accumulate_grad_batches if self._trainer is not None else 1
         with AuxiliaryLosses(1 / accumulated) as aux:
             loss = self.pipeline_loss(self(self.pipeline_inputs(batch), batch), batch)

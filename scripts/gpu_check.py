@@ -23,7 +23,8 @@ step, fused AdamW; ``--cpu``: 2 blocks of width 64):
 - **one_device**: the one-device delayed trajectory (``DelayedWeights``) on the accelerator against the same run
   on CPU, 1e-3 relative (GPU kernels are not the CPU's); **bf16**: under ``bf16-mixed``, within 5e-2 of float32.
 - **no_sync**: a 1-stage ``StageRuntime``'s host-device synchronisations in the steady state (a real CUDA stream,
-  ``torch.cuda.set_sync_debug_mode``; on CPU, the tensor reads that would synchronise): must be 0.
+  ``torch.cuda.set_sync_debug_mode``; on CPU, the tensor reads that would synchronise), on a small MLP and on the
+  demo GPT with 4 experts per block: must be 0.
 - **plain**: a plain PyTorch loop, whole batch and micro-batched (M = 2 and 4), tokens/s.
 - **runtime**: a 1-stage ``StageRuntime`` (2bw and 1f1b, M = 4) against the plain loop with the same
   micro-batches, and its synchronisations per step; **runtime_compiled**: the same with the blocks compiled
@@ -411,25 +412,35 @@ def throughput(accelerator: str, stages: int, model: dict, repeats: int) -> list
 
 
 def no_sync(device: torch.device, steps: int = 6, steady_from: int = 2) -> list[dict]:
-    """Host-device synchronisations of a 1-stage runtime's steady-state steps (must be 0)."""
+    """Host-device synchronisations of a 1-stage runtime's steady-state steps (must be 0): on a small MLP, and on
+    the demo GPT with a mixture of experts in each block (its routing and its attached load-balancing loss)."""
     from torch import nn
 
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    moe = tiny_gpt(n_experts=4, experts_per_token=2, n_embd=64)
+    return [
+        _steady_syncs("1 stage on " + device.type, device, list(mlp), lambda mb: mb, lambda out, mb: out.pow(2).mean(),
+                      [torch.randn(16, 64, device=device) for _ in range(steps)], steady_from),
+        _steady_syncs("demo GPT, 4 experts, 1 stage on " + device.type, device, list(moe.layers), moe.pipeline_inputs,
+                      moe.pipeline_loss, [tuple(t.to(device) for t in b) for b in random_batches(steps)], steady_from),
+    ]  # fmt: skip
+
+
+def _steady_syncs(case: str, device: torch.device, layers: list, inputs_fn, loss_fn, batches, steady_from) -> dict:
     from lightning_async_pp.runtime.stage import StageRuntime
 
-    row: dict = {"check": "no_sync", "case": f"1 stage on {device.type}", "stages": 1, "microbatches": 4}
+    row: dict = {"check": "no_sync", "case": case, "stages": 1, "microbatches": 4}
     try:
-        torch.manual_seed(0)
-        # SGD: AdamW's step counter is a CPU tensor read with `.item()`, which is not a device synchronisation.
-        layers = [nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)]
         for layer in layers:
             layer.to(device)
         params = [p for layer in layers for p in layer.parameters()]
+        # SGD: AdamW's step counter is a CPU tensor read with `.item()`, which is not a device synchronisation.
         runtime = StageRuntime(
             kind="2bw", stage=0, num_stages=1, num_microbatches=4, layers=layers,
-            optimizer=torch.optim.SGD(params, lr=0.1, momentum=0.9), inputs_fn=lambda mb: mb,
-            loss_fn=lambda out, mb: out.pow(2).mean(), device=device,
+            optimizer=torch.optim.SGD(params, lr=0.1, momentum=0.9), inputs_fn=inputs_fn, loss_fn=loss_fn,
+            device=device,
         )  # fmt: skip
-        batches = [torch.randn(16, 64, device=device) for _ in range(steps)]
         counts = []
         for step, batch in enumerate(batches):
             with _counting_syncs(device) as counter:
@@ -440,7 +451,7 @@ def no_sync(device: torch.device, steps: int = 6, steady_from: int = 2) -> list[
         row.update(syncs_per_step=steady, ok=sum(steady) == 0)
     except Exception as error:
         row.update(ok=False, error=str(error)[-3000:])
-    return [row]
+    return row
 
 
 @contextlib.contextmanager

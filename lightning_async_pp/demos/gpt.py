@@ -82,9 +82,13 @@ class MoE(nn.Module):
     over the chosen ones, as in the Switch Transformer and Qwen2-MoE's default), so the router also learns
     from the language-model loss when one expert is chosen per token.
 
-    Each expert is its own module (Muon orthogonalizes each expert's matrices as separate matrices). An expert
-    runs once on the tokens routed to it, gathered in a stable order, and the outputs return to their tokens
-    by index, so the result and its gradient do not depend on thread timing.
+    Each expert is its own module (Muon orthogonalizes each expert's matrices as separate matrices). Routing is a
+    dense dispatch: every expert runs on every token of the micro-batch, and each token sums its experts' outputs
+    weighted by a gate that is its probability for the ``experts_per_token`` chosen experts and 0 for the others.
+    Nothing about the routing is read on the host (how many tokens an expert got would be a host-device
+    synchronisation per layer and forward), shapes do not depend on the routing, and an expert that no token
+    chose still gets its (zero) gradient. The price is compute: ``n_experts / experts_per_token`` times the FLOPs
+    of running each expert on its own tokens only, which the ``plan`` command and the MFU count as run.
 
     Load balancing (Switch Transformer, Megatron-LM): ``n_experts * sum_e f_e * P_e`` over the tokens of the
     micro-batch, where ``f_e`` is the share of the token-expert assignments that went to expert ``e`` and
@@ -107,34 +111,15 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        n_experts, k = len(self.experts), self.experts_per_token
         probs = self.router(tokens).float().softmax(dim=-1)
-        weights, chosen = probs.topk(k, dim=-1)
-        # The N * k assignments, sorted by expert (stable: in token order within an expert).
-        order = chosen.reshape(-1).argsort(stable=True)
-        counts = (chosen.reshape(-1, 1) == torch.arange(n_experts, device=x.device)).sum(dim=0)
-        inputs = tokens.index_select(0, order // k).split(self.expert_sizes(counts, chosen.numel()))
-        outputs = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, inputs)])
-        # Back to (token, slot) order: assignment order[i]'s output is outputs[i].
-        per_slot = torch.empty_like(outputs).index_copy(0, order, outputs).view(-1, k, tokens.shape[-1])
-        y = (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(dim=1).view_as(x)
-        share = counts.float() / chosen.numel()
-        balance = n_experts * (share * probs.mean(dim=0)).sum()
+        weights, chosen = probs.topk(self.experts_per_token, dim=-1)
+        gates = torch.zeros_like(probs).scatter(1, chosen, weights)  # (tokens, experts): 0 where not chosen
+        outputs = torch.stack([expert(tokens) for expert in self.experts], dim=1)  # (tokens, experts, n_embd)
+        y = (outputs * gates.unsqueeze(-1).to(outputs.dtype)).sum(dim=1).view_as(x)
+        assigned = torch.zeros_like(probs).scatter(1, chosen, 1.0)  # each token's chosen experts, counted on device
+        share = assigned.sum(dim=0) / chosen.numel()
+        balance = len(self.experts) * (share * probs.mean(dim=0)).sum()
         return attach_auxiliary_loss(y, balance, weight=self.aux_loss_coef)
-
-    @staticmethod
-    def expert_sizes(counts: Tensor, total: int) -> list[int]:
-        """How many of the ``total`` assignments each expert gets, read from ``counts``.
-
-        A forward traced on fake tensors (the ``plan`` command's and the FLOP counter's measurements) has no
-        counts to read: it takes the even split that the load-balancing loss aims for, which has the same
-        total size and the same FLOPs as any other split.
-        """
-        try:
-            return counts.tolist()
-        except RuntimeError:  # torch's DataDependentOutputException: a fake tensor holds no values
-            share, extra = divmod(total, len(counts))
-            return [share + (e < extra) for e in range(len(counts))]
 
 
 class Block(nn.Module):

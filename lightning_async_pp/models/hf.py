@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +27,7 @@ from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.data import refuse_custom_code
+from lightning_async_pp.models.hf_keys import StoredTensors
 from lightning_async_pp.models.hf_layers import (
     DecoderLayer,
     Embedding,
@@ -35,7 +36,7 @@ from lightning_async_pp.models.hf_layers import (
     input_ids,
     split_layers,
 )
-from lightning_async_pp.models.hf_moe import Objective, RoutedDecoderLayer, route, routers, stored_elsewhere
+from lightning_async_pp.models.hf_moe import Objective, RoutedDecoderLayer, route, routers
 from lightning_async_pp.models.hf_router_stats import RouterStatistics
 from lightning_async_pp.models.hf_structure import prove_cut, refuse_unsupported
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
@@ -87,23 +88,18 @@ class SafetensorsFolder:
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
 
-    def load(self, keys: Mapping[str, Tensor]) -> None:
-        """Copy the tensor stored under each key into the given (materialised) tensor."""
+    def tensors(self, keys: Iterable[str]) -> dict[str, Tensor]:
+        """The tensors stored under the given keys, read from the files that hold them."""
         by_file: dict[str, list[str]] = {}
         for key in keys:
             by_file.setdefault(self.weight_map[key], []).append(key)
+        values: dict[str, Tensor] = {}
         for filename, names in by_file.items():
             with safe_open(str(self.folder / filename), framework="pt") as f:
                 for key in names:
-                    target = keys[key]
-                    value = f.get_tensor(key)
-                    if tuple(value.shape) != tuple(target.shape):
-                        raise ValueError(
-                            f"{key} in {self.folder} has shape {tuple(value.shape)}, the model expects "
-                            f"{tuple(target.shape)}: the folder's config.json does not match its weights."
-                        )
-                    target.copy_(value)
+                    values[key] = f.get_tensor(key)
                     self.read.append(key)
+        return values
 
 
 # --- the LightningModule ----------------------------------------------------------------------------------
@@ -225,6 +221,10 @@ class CausalLM(LightningModule):
         for name, tensor in model.state_dict(keep_vars=True).items():  # persistent buffers too (DeepSeek's bias)
             hf_names.setdefault(id(tensor), []).append(name)
         self._hf_names = {name: hf_names[id(t)] for name, t in self.state_dict(keep_vars=True).items()}
+        # The folder's tensors under the model's names, through transformers' own key conversions.
+        self.stored = (
+            None if self.checkpoint is None else StoredTensors(model, self.checkpoint.weight_map, self.checkpoint)
+        )
         self._batch_start: float | None = None
 
     # --- names -------------------------------------------------------------------------------------------
@@ -314,7 +314,7 @@ class CausalLM(LightningModule):
             self._retie(self.layers[-1])
 
     def _load(self, layer: nn.Module) -> None:
-        assert self.checkpoint is not None
+        assert self.checkpoint is not None and self.stored is not None
         prefix = next(name for name, module in self.named_modules() if module is layer)
         wanted: dict[str, Tensor] = {}
         for name, param in layer.state_dict(prefix=f"{prefix}.", keep_vars=True).items():  # persistent buffers too
@@ -323,18 +323,15 @@ class CausalLM(LightningModule):
                 if isinstance(embedding, Embedding) and embedding.embed_tokens.weight is param:
                     continue  # the embedding's tensor, loaded with the embedding
                 # On a stage without the embedding, the head's copy reads the embedding's stored tensor.
-            key = next((n for n in self._hf_names[name] if n in self.checkpoint), None)
-            hf_name, model_type = self._hf_names[name][0], self.hf_config.model_type
-            if key is None and (experts := stored_elsewhere(self.checkpoint, hf_name, param, model_type)):
-                wanted.update(experts)  # e.g. stacked in memory, stored per expert
-                continue
+            key = next((n for n in self._hf_names[name] if n in self.stored), None)
             if key is None:
                 raise KeyError(
-                    f"{self.checkpoint.folder} has no tensor for {self._hf_names[name][0]} (parameter {name}). "
-                    "The folder's weights do not match its config.json."
+                    f"{self.checkpoint.folder} has no tensor for {self._hf_names[name][0]} (parameter {name}), "
+                    f"under that name or any that transformers' key conversions for {self.hf_config.model_type} "
+                    "turn into it. The folder's weights do not match its config.json."
                 )
             wanted[key] = param
-        self.checkpoint.load(wanted)
+        self.stored.load(wanted)
 
     # --- pipeline contract -----------------------------------------------------------------------------
 

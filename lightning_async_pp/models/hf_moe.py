@@ -33,14 +33,14 @@ floats more, and, for every mixture of experts, a table of what each sparse laye
 (:mod:`~lightning_async_pp.models.hf_router_stats`, ``2E + 2`` floats per sparse layer so far), which the last
 stage logs.
 
-The statistics are computed only when the configuration asks for the loss (``output_router_logits=True``), as in
-``transformers``, whose loss leaves it out otherwise.
+The load-balancing totals are computed only when the configuration asks for the loss
+(``output_router_logits=True``), as in ``transformers``, whose loss leaves it out otherwise.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,24 +49,8 @@ from torch import Tensor, nn
 from lightning_async_pp.models.hf_router_stats import layer_row
 from lightning_async_pp.runtime.auxiliary import attach_auxiliary_loss
 
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
 """The attributes under which a ``transformers`` causal LM keeps its load-balancing loss's weight."""
-
-# The names under which `save_pretrained` stores the experts' matrices of the families whose stacked experts this
-# module maps back (transformers keeps them stacked in memory and converts on loading): the MoE block, the gate,
-# up and down projections.
-_PER_EXPERT_NAMES = {
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-    "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-}
-
-
-def is_moe(config: Any) -> bool:
-    """Whether a ``transformers`` configuration says it describes a mixture-of-experts model (DBRX says it in its
-    ``ffn_config``; the structure, :func:`routers`, is what the adapter goes by)."""
-    return any(getattr(config, key, None) for key in EXPERT_KEYS)
 
 
 def routers(model: nn.Module) -> list[Any]:
@@ -285,47 +269,11 @@ def _layers_name(model: nn.Module) -> str:
     return next(name for name, child in model.base_model.named_children() if isinstance(child, nn.ModuleList))
 
 
-def stored_slices(name: str, param: Tensor, model_type: str) -> dict[str, Tensor]:
-    """The tensors that ``save_pretrained`` stores for a parameter under other names, each mapped to the view of
-    ``param`` it fills (``{}`` when it is stored under its own name).
-
-    ``transformers`` keeps a layer's experts stacked (``experts.gate_up_proj``: ``(E, 2I, H)``, gate rows first;
-    ``experts.down_proj``: ``(E, H, I)``) and writes them per expert, under Mixtral's older module name
-    ``block_sparse_moe`` for its ``mlp``; it converts them on loading. A stage reads only its own layers' tensors.
-    """
-    names = _PER_EXPERT_NAMES.get(model_type)
-    if names is None or ".mlp." not in name:
-        return {}
-    block, gate, up, down = names
-    stored = name.replace(".mlp.", f".{block}.", 1)
-    prefix, _, leaf = stored.rpartition(".experts.")
-    if leaf == "down_proj" and param.dim() == 3:
-        return {f"{prefix}.experts.{e}.{down}.weight": param[e] for e in range(param.shape[0])}
-    if leaf == "gate_up_proj" and param.dim() == 3:
-        half = param.shape[1] // 2
-        slices = {}
-        for e in range(param.shape[0]):
-            slices[f"{prefix}.experts.{e}.{gate}.weight"] = param[e, :half]
-            slices[f"{prefix}.experts.{e}.{up}.weight"] = param[e, half:]
-        return slices
-    return {} if stored == name else {stored: param}
-
-
-def stored_elsewhere(checkpoint: Container[str], name: str, param: Tensor, model_type: str) -> dict[str, Tensor]:
-    """:func:`stored_slices` when the folder holds every one of them, else ``{}``."""
-    slices = stored_slices(name, param, model_type)
-    return slices if all(key in checkpoint for key in slices) else {}
-
-
 __all__ = [
     "COEFFICIENTS",
-    "EXPERT_KEYS",
     "Objective",
     "RouterLoss",
     "RoutedDecoderLayer",
-    "stored_elsewhere",
-    "stored_slices",
-    "is_moe",
     "load_balancing",
     "route",
     "routers",

@@ -30,8 +30,9 @@ Lightning through ``LightningModule.optimizer_step``::
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -156,28 +157,49 @@ class DelayProfile:
 
         Afterwards the parameters hold the current weights ``w[t]`` again, with their ``.grad`` computed at the
         delayed versions, and each group's history has advanced by one step (``w[t]`` stored, the oldest
-        version dropped). Call it exactly once per optimizer step.
+        version dropped). Call it exactly once per optimizer step: a second call of the same returned closure
+        raises, since an optimizer that evaluates its closure several times per step (``LBFGS``) has no delayed
+        trajectory (each evaluation would advance the history).
         """
+        calls = 0
 
         def delayed_closure() -> Any:
-            swapped: list[tuple[nn.Parameter, Tensor]] = []
-            with torch.no_grad():
-                for g, d, hist in zip(self.groups, self.delays, self.history):
-                    if d == 0:
-                        continue
-                    for p, old in zip(g, hist[0]):
-                        swapped.append((p, p.data))
-                        p.data = old
-            try:
-                with torch.enable_grad():
-                    result = closure()
-            finally:
-                for p, now in swapped:
-                    p.data = now
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(
+                    "The optimizer evaluated its closure a second time in one step. The delayed trajectory computes "
+                    "one gradient per step on the stale weights, so an optimizer that re-evaluates the closure "
+                    "(LBFGS, a line search) cannot follow it: use an optimizer that calls the closure at most once, "
+                    "or train without a delay (schedule='1f1b')."
+                )
+            with self.delayed():
+                result = closure()
             self._advance()
             return result
 
         return delayed_closure
+
+    @contextlib.contextmanager
+    def delayed(self) -> Iterator[None]:
+        """Inside, each group holds its delayed version (gradients computed there land in ``.grad``); afterwards
+        the current weights again. The history does not advance: several batches whose gradients accumulate
+        into one step (gradient accumulation) each run inside, and the step's :meth:`wrap_closure` advances it
+        once."""
+        swapped: list[tuple[nn.Parameter, Tensor]] = []
+        with torch.no_grad():
+            for g, d, hist in zip(self.groups, self.delays, self.history):
+                if d == 0:
+                    continue
+                for p, old in zip(g, hist[0]):
+                    swapped.append((p, p.data))
+                    p.data = old
+        try:
+            with torch.enable_grad():
+                yield
+        finally:
+            for p, now in swapped:
+                p.data = now
 
     @torch.no_grad()
     def _advance(self) -> None:

@@ -3,7 +3,8 @@
 A layer that computes an auxiliary loss returns ``attach_auxiliary_loss(output, loss, weight)`` instead of
 ``output``: the same values, and in the backward the gradient of ``weight * loss * scale`` joins the gradient
 that reaches ``output``. ``scale`` is the weight the training loop gives the micro-batch's own loss (``1/M``
-for a step of ``M`` micro-batches, as the pipeline's last stage back-propagates ``loss / M``), so the total
+for a step of ``M`` micro-batches, as the pipeline's last stage back-propagates ``loss / M``; ``1/(k M)`` when
+``k`` batches accumulate into one step), so the total
 gradient is the one of ``mean over micro-batches of (model loss + weight * auxiliary loss)``. No loss value has
 to travel down the pipeline: the stage that owns the layer adds its gradient (Megatron-LM attaches its
 ``MoEAuxLossAutoScaler`` the same way).

@@ -16,6 +16,7 @@ implies the peer has it (a gradient of that step came back), like the activation
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ class DataOrderLink:
         prev_rank: Global rank of the previous stage (``None`` on the first stage).
         next_rank: Global rank of the next stage (``None`` on the last stage).
         group: A process group of the pipeline's stages used for these messages only.
-        num_microbatches: Micro-batches per step (the rows of a step's fingerprints).
+        num_microbatches: Micro-batches per batch (a step's fingerprints have a row per micro-batch of each of its
+            batches).
     """
 
     def __init__(
@@ -51,13 +53,14 @@ class DataOrderLink:
         self._sends: collections.deque[tuple[int, dist.Work, Tensor]] = collections.deque()
         self._checks: collections.deque[FingerprintCheck] = collections.deque()
 
-    def start_step(self, step: int, batch: Any) -> None:
-        """Fingerprint ``batch``, send the fingerprints on and post the receive of the previous stage's."""
-        mine = step_fingerprints(batch, self.num_microbatches)
+    def start_step(self, step: int, batches: Sequence[Any]) -> None:
+        """Fingerprint the step's ``batches``, send the fingerprints on and post the receive of the previous stage's."""
+        rows = [step_fingerprints(batch, self.num_microbatches) for batch in batches]
+        mine = rows[0] if len(rows) == 1 else torch.cat(rows)
         if self.next_rank is not None:
             self._sends.append((step, dist.isend(mine, self.next_rank, group=self.group), mine))
         if self.prev_rank is not None:
-            received = torch.empty(self.num_microbatches, 2, dtype=torch.int64, device=mine.device)
+            received = torch.empty(mine.shape[0], 2, dtype=torch.int64, device=mine.device)
             self._receives[step] = (received, dist.irecv(received, self.prev_rank, group=self.group))
             self._mine[step] = mine
 

@@ -1,4 +1,5 @@
-"""Splitting a batch into equal micro-batches along its first dimension, and walking the tensors of a batch."""
+"""Splitting a batch into equal micro-batches along its first dimension, and walking the tensors of a batch;
+:class:`StepMicrobatches`, the micro-batches of a stage's steps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
@@ -93,3 +95,68 @@ def auto_num_microbatches(batch_size: int, num_stages: int) -> int:
         f"num_microbatches='auto' needs at least one sample per pipeline stage, got batches of {batch_size} samples "
         f"for {num_stages} stages. Use a batch size that is a multiple of {num_stages}."
     )
+
+
+class StepMicrobatches:
+    """The micro-batches of the steps a stage is running: each step's batches, each cut into ``num_microbatches``,
+    what their losses are divided by, and (last stage) their losses; the running step's auxiliary losses.
+
+    A step of gradient accumulation has several batches; each micro-batch's loss is divided by ``accumulation *
+    num_microbatches``, by default the step's micro-batches (their mean). Every step of a run has the same count
+    (:attr:`per_step`), the schedule's micro-batches per step.
+    """
+
+    def __init__(self, num_microbatches: int) -> None:
+        self.num_microbatches = num_microbatches
+        self.per_step = num_microbatches
+        """Micro-batches per step of the current (or last) run."""
+        self._microbatches: dict[int, list[Any]] = {}
+        self._divisors: dict[int, int] = {}
+        self._losses: dict[int, list[Tensor]] = {}
+        self.aux: list[Tensor] = []
+        """The auxiliary losses of each forward of the running step on this stage."""
+
+    def count(self, batches: Sequence[Any]) -> int:
+        """The micro-batches of a step of ``batches``."""
+        return len(batches) * self.num_microbatches
+
+    def start(self, step: int, batches: Sequence[Any], accumulation: int | None = None) -> None:
+        """Cut ``step``'s batches; each micro-batch's loss is divided by ``accumulation`` (default: the number of
+        batches) times ``num_microbatches``."""
+        self._divisors[step] = (accumulation or len(batches)) * self.num_microbatches
+        self._microbatches[step] = [mb for batch in batches for mb in split_microbatches(batch, self.num_microbatches)]
+        self._divisors.pop(step - 3, None)
+        self.aux = []  # forwards of a flush are not part of the step
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        """Micro-batch ``key[1]`` of step ``key[0]`` (while the step runs)."""
+        return self._microbatches[key[0]][key[1]]
+
+    def divisor(self, step: int) -> int:
+        """What the losses of ``step``'s micro-batches are divided by."""
+        return self._divisors[step]
+
+    def add_loss(self, step: int, loss: Tensor) -> None:
+        """The loss of one of ``step``'s micro-batches (last stage)."""
+        self._losses.setdefault(step, []).append(loss.detach())
+
+    def losses(self, step: int) -> Tensor:
+        """``step``'s micro-batch losses, stacked, once its segment ran (last stage)."""
+        return torch.stack(self._losses.pop(step))
+
+    def add_aux(self, total: Tensor | None) -> None:
+        """The total auxiliary loss of one forward of the running step (``None``: it attached none)."""
+        if total is not None:
+            self.aux.append(total)
+
+    def aux_mean(self) -> Tensor | None:
+        """The mean of the running step's auxiliary losses (``None`` without any)."""
+        return torch.stack(self.aux).mean() if self.aux else None
+
+    def end(self, step: int) -> None:
+        """``step``'s segment ran: its forwards are done."""
+        del self._microbatches[step]
+
+    def clear(self) -> None:
+        """The pipeline drained: no step is in flight."""
+        self._divisors.clear()

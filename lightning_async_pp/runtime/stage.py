@@ -49,7 +49,7 @@ from lightning_async_pp.runtime.contract import StageModule
 from lightning_async_pp.runtime.data_order import DataOrderLink
 from lightning_async_pp.runtime.evaluation import PipelineEvaluation
 from lightning_async_pp.runtime.finite import FiniteCheck, read_finite_checks
-from lightning_async_pp.runtime.microbatch import split_microbatches
+from lightning_async_pp.runtime.microbatch import StepMicrobatches
 from lightning_async_pp.runtime.ties import TiedGradients
 from lightning_async_pp.runtime.timing import StepStats, StepTimer
 from lightning_async_pp.runtime.updates import UpdateDriver
@@ -67,6 +67,7 @@ from lightning_async_pp.schedule import (
 )
 
 Key = tuple[int, int]  # (step, micro-batch)
+StepResult = tuple[Tensor | None, StepStats | None]
 Observer = Callable[[Action, float, float], None]
 """``fn(action, begin, end)``: called after each action, with its start and end (``time.perf_counter``)."""
 _OBSERVERS: collections.OrderedDict[int, Observer] = collections.OrderedDict()  # weak-referable, for handles
@@ -91,7 +92,7 @@ class StageRuntime:
         kind: ``"2bw"`` or ``"1f1b"``.
         stage: This stage's index.
         num_stages: Number of stages.
-        num_microbatches: Micro-batches per step.
+        num_microbatches: Micro-batches per batch (a step of ``k`` accumulated batches has ``k`` times as many).
         layers: This stage's layers, in order.
         optimizer: Optimizer over exactly the trainable parameters of ``layers``; ``None`` for a runtime that
             only evaluates (:meth:`evaluate`), which builds no update machinery and refuses :meth:`run_step`.
@@ -204,7 +205,7 @@ class StageRuntime:
         self.is_last = self.stage == self.num_stages - 1
         self.prev = self._link(self.prev_rank, self.stage - 1)
         self.next = self._link(self.next_rank, self.stage + 1)
-        self._microbatches: dict[int, list[Any]] = {}
+        self.steps = StepMicrobatches(self.num_microbatches)
         # What travels may be several tensors (see `activations`): a received input keeps its spec, and an
         # in-flight micro-batch keeps the specs of its input and output, so each gradient finds its tensor.
         self._inflight: dict[Key, tuple[Any, Spec | None, Any, Spec | None]] = {}
@@ -212,8 +213,6 @@ class StageRuntime:
         self._received: dict[Key, tuple[Any, Spec]] = {}
         self._input_grads: dict[Key, list[Tensor]] = {}
         self._structures = activations.LinkStructures(self.stage)
-        self._losses: dict[int, list[Tensor]] = {}
-        self._aux: list[Tensor] = []  # the auxiliary losses of each forward of the running step on this stage
         self._finite_checks: collections.deque[FiniteCheck] = collections.deque()
         self._order: DataOrderLink | None = None
         if self.check_data_order and self.num_stages > 1 and self.optimizer is not None:  # training only
@@ -258,8 +257,9 @@ class StageRuntime:
         self._observers[handle.id] = fn
         return handle
 
-    def run_step(self, step: int, batch: Any) -> tuple[Tensor | None, StepStats | None]:
-        """Execute this stage's share of ``step``.
+    def run_step(self, step: int, *batches: Any, accumulation: int | None = None) -> StepResult:
+        """Execute this stage's share of ``step`` on its ``batches``: one, or several that accumulate into one update
+        (``accumulation``: see :class:`StepMicrobatches`). A step of another micro-batch count drains the run first.
 
         Returns the step's mean loss (last stage, a device tensor) and the timings of the oldest step whose
         timings are known: on CPU this step's; on CUDA, where they are read from events once the device has
@@ -271,29 +271,32 @@ class StageRuntime:
                 f"The runtime of pipeline stage {self.stage} was built without an optimizer (optimizer=None), for "
                 "evaluation only, so it cannot train: `run_step` needs an optimizer over the stage's parameters."
             )
+        count = self.steps.count(batches)
+        if self.run_start is not None and count != self.steps.per_step:
+            self.drain()  # every step of a run has the same micro-batches (the schedule's M)
         read_finite_checks(self._finite_checks, wait_beyond=2)
         if self._order is not None:
             self._order.read_checks(oldest_step=step - 2)
         if self.run_start is None:
-            self.run_start = step
+            validate(self.kind, self.num_stages, count)
+            self.run_start, self.steps.per_step = step, count
             self.forget_layouts()  # evaluation may have sent other shapes since the last run
         self.timer.begin_step(step)
-        self._aux = []  # forwards of a flush are not part of the step
         self.updates.hyperparameters.observe(step)
-        self._microbatches[step] = split_microbatches(batch, self.num_microbatches)
+        self.steps.start(step, batches, accumulation)
         if self._order is not None:
-            self._order.start_step(step, batch)
-        self._execute(step_actions(self.kind, self.num_stages, self.num_microbatches, self.stage, step, self.run_start))
+            self._order.start_step(step, batches)
+        self._execute(step_actions(self.kind, self.num_stages, count, self.stage, step, self.run_start))
         self.last_step = step
-        del self._microbatches[step]
+        self.steps.end(step)
         self.weights.used.pop(step - 3, None)
         loss = None
         if self.is_last:
-            losses = torch.stack(self._losses.pop(step))
+            losses = self.steps.losses(step)
             if self.check_finite:
                 self._finite_checks.append(FiniteCheck(losses, step, self.stage))
             loss = losses.mean()
-        self.timer.end_step(self.updates.version_lag(), torch.stack(self._aux).mean() if self._aux else None)
+        self.timer.end_step(self.updates.version_lag(), self.steps.aux_mean())
         return loss, self.timer.pop_ready()
 
     def take_stats(self) -> list[StepStats]:
@@ -305,7 +308,7 @@ class StageRuntime:
         if self.run_start is not None and self.last_step is not None:
             self._execute(
                 drain_actions(
-                    self.kind, self.num_stages, self.num_microbatches, self.stage, self.last_step, self.run_start
+                    self.kind, self.num_stages, self.steps.per_step, self.stage, self.last_step, self.run_start
                 )
             )
         if self.updates is not None:
@@ -319,6 +322,7 @@ class StageRuntime:
         read_finite_checks(self._finite_checks, wait_beyond=0)
         self.timer.resolve(wait_beyond=0)
         self.run_start = None
+        self.steps.clear()
         if self.updates is not None:
             self.updates.hyperparameters.clear()
 
@@ -398,7 +402,7 @@ class StageRuntime:
         key = (a.step, a.microbatch)
         self.updates.settle(a.step, a.microbatch)
         self.updates.complete(up_to_version=a.version)
-        microbatch = self._microbatches[a.step][a.microbatch]
+        microbatch = self.steps[a.step, a.microbatch]
         if a.microbatch == 0 and self._order is not None:
             self._order.check(a.step)  # before the step's first forward
         x_spec = None
@@ -408,14 +412,13 @@ class StageRuntime:
             x, x_spec = self._received.pop(key)
             activations.with_grad_inputs(x, x_spec)
         weights = self.weights.pin(a.step, a.version)
-        with self.forward_context(), AuxiliaryLosses(1 / self.num_microbatches) as aux:
+        with self.forward_context(), AuxiliaryLosses(1 / self.steps.divisor(a.step)) as aux:
             with self._swap(weights), self._casts(weights, a.version):
                 y = self.module(x, microbatch)
             if self.is_last:
                 y = self.loss_fn(y, microbatch)
-                self._losses.setdefault(a.step, []).append(y.detach())
-        if (aux_total := aux.total()) is not None:
-            self._aux.append(aux_total)
+                self.steps.add_loss(a.step, y)
+        self.steps.add_aux(aux.total())
         y_spec = None if self.is_last else activations.flatten(y)[1]
         self._inflight[key] = (x, x_spec, y, y_spec)
         self._pinned[key] = weights
@@ -426,7 +429,7 @@ class StageRuntime:
         # A layer that recomputes its forward here must see the weights the forward saw.
         with self._swap(self._pinned.pop(key)):
             if self.is_last:
-                (y / self.num_microbatches).backward()
+                (y / self.steps.divisor(a.step)).backward()
             else:
                 outputs = activations.differentiable(y, y_spec)
                 grads = self._input_grads.pop(key)
@@ -441,7 +444,7 @@ class StageRuntime:
         self._received[key] = self.receive_input()
         # The previous stage ran this forward after the receives its action list puts first: those gradients arrived.
         received = gradients_received_before_forward(
-            self.kind, self.num_stages, self.num_microbatches, self.stage - 1, a.step, a.microbatch, self.run_start
+            self.kind, self.num_stages, self.steps.per_step, self.stage - 1, a.step, a.microbatch, self.run_start
         )
         if received is not None:
             self.prev.peer_received(received)

@@ -194,7 +194,7 @@ class StepTimer:
             if stats is not None:  # (a record of no step holds one action's marks, released above)
                 stats.wall = clock.seconds(timing.start, timing.end)
                 if timing.aux_loss is not None:  # host memory, written before the end mark: no device sync
-                    stats.aux_loss = float(timing.aux_loss)
+                    stats.aux_loss = float(timing.aux_loss.numpy())  # numpy: refused for a device tensor
                 self._ready.append(stats)
                 clock.release(timing.start)
                 clock.release(timing.end)

@@ -69,12 +69,6 @@ def check_arguments(
 def check_trainer_settings(trainer: Trainer, multi_process: bool) -> None:
     """Refuse Trainer settings the strategy cannot run with: before launching, and again in ``setup`` (where a
     launcher that is not the strategy's, torchrun or SLURM, first sees them)."""
-    if trainer.accumulate_grad_batches != 1:
-        raise MisconfigurationException(
-            "AsyncPipelineStrategy does not support `accumulate_grad_batches` (got "
-            f"{trainer.accumulate_grad_batches}): set it to 1 and raise `num_microbatches` (with a larger "
-            "batch size) instead; micro-batches already accumulate gradients within a step."
-        )
     if multi_process and trainer.gradient_clip_algorithm not in (None, "norm"):
         raise MisconfigurationException(
             f"AsyncPipelineStrategy clips by the global gradient norm only; got gradient_clip_algorithm="
@@ -89,6 +83,7 @@ def check_train_loader(
     replicas: int,
     max_steps: int = -1,
     limit_batches: int | float = 1.0,
+    accumulate: int = 1,
 ) -> None:
     """Refuse a training ``DataLoader`` whose batches cannot be cut into equal micro-batches, the last batch of an
     epoch included, before training starts rather than at the end of the first epoch. Loaders whose batches are not
@@ -102,6 +97,7 @@ def check_train_loader(
         max_steps: The Trainer's ``max_steps``: a run that ends before the last batch of the first epoch is not
             refused for that batch (neither is one whose ``limit_train_batches`` leaves it out).
         limit_batches: The Trainer's ``limit_train_batches``.
+        accumulate: The Trainer's ``accumulate_grad_batches`` (batches per optimizer step, which ``max_steps`` counts).
     """
     if not isinstance(loader, DataLoader) or loader.batch_size is None or not isinstance(loader.dataset, Sized):
         return
@@ -114,7 +110,7 @@ def check_train_loader(
         reached = limit_batches >= 1.0
     else:
         reached = limit_batches is None or limit_batches >= batches
-    reached = reached and (max_steps is None or max_steps < 0 or max_steps >= batches)
+    reached = reached and (max_steps is None or max_steps < 0 or max_steps * accumulate >= batches)
     if reached and last and not loader.drop_last and last % num_microbatches:
         per_replica = f" per replica (of {replicas})" if replicas > 1 else ""
         raise ValueError(
@@ -230,6 +226,7 @@ class LaunchChecks:
         limits = {}
         if trainer is not None:
             limits = {"max_steps": trainer.max_steps, "limit_batches": trainer.limit_train_batches}
+            limits["accumulate"] = trainer.accumulate_grad_batches
         loader = _argument(function, "train_dataloaders", args, kwargs)
         datamodule = _argument(function, "datamodule", args, kwargs)
         if isinstance(loader, LightningDataModule):  # `fit(model, datamodule)`, which Lightning accepts

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ from lightning_async_pp.runtime.contract import is_pipeline_module, require_pipe
 from lightning_async_pp.runtime.finite import check_finite_losses
 from lightning_async_pp.runtime.microbatch import split_microbatches
 from lightning_async_pp.runtime.recompute import checkpoint_layers, select_layers
+from lightning_async_pp.schedule import get_schedule
+from lightning_async_pp.strategy.optimizer_steps import DELAYED_STEP, AccumulationWindow, check_closure_use
 
 __all__ = ["SingleDevice", "microbatch_losses"]
 
@@ -41,17 +43,19 @@ def microbatch_losses(
     num_microbatches: int,
     around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     aux_losses: list[Tensor] | None = None,
+    accumulation: int = 1,
 ) -> list[Tensor]:
     """The loss of each of ``num_microbatches`` micro-batches of ``batch``, each through the whole model, each
     forward inside ``around()``.
 
-    Auxiliary losses the layers attach are scaled as a stage's (``1/num_microbatches``); each micro-batch's
-    total is appended to ``aux_losses`` when given (see :mod:`~lightning_async_pp.runtime.auxiliary`).
+    Auxiliary losses the layers attach are scaled as a stage's (``1/(accumulation * num_microbatches)``, with
+    ``accumulation`` batches per optimizer step); each micro-batch's total is appended to ``aux_losses`` when
+    given (see :mod:`~lightning_async_pp.runtime.auxiliary`).
     """
     layers = module.pipeline_layers()
     losses = []
     for mb in split_microbatches(batch, num_microbatches):
-        with around(), AuxiliaryLosses(1 / num_microbatches) as aux:
+        with around(), AuxiliaryLosses(1 / (accumulation * num_microbatches)) as aux:
             losses.append(module.pipeline_loss(run_layers(layers, module.pipeline_inputs(mb), mb), mb))
         if aux_losses is not None and (total := aux.total()) is not None:
             aux_losses.append(total)
@@ -79,38 +83,52 @@ def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callab
 class SingleDevice:
     """Training state of the one-device path: the micro-batch losses awaiting their backward, and ``w[t-1]``."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: AccumulationWindow) -> None:
+        self.window = window
+        """The batches of the optimizer step being accumulated (the strategy's)."""
         self.delayed: DelayedWeights | None = None
         self.losses: list[Tensor] | None = None
+        self.divisor = 1
+        """What the micro-batch losses of the current batch are divided by in the backward."""
+        self.delay = 0
         self._casts: Callable[[], Callable[[], WeightCasts]] | None = None
+        self.module: LightningModule | None = None
 
-    def setup(self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any) -> None:
-        """Check that ``module`` can be split into ``num_microbatches``; wrap its recomputed layers."""
+    def setup(
+        self, module: LightningModule, num_microbatches: int, activation_checkpointing: Any, schedule: str
+    ) -> None:
+        """Check that ``module`` can be split into ``num_microbatches``; wrap its recomputed layers; take the delay
+        of ``schedule``'s one-device run (``1``: gradients on ``w[t-1]``)."""
         if num_microbatches > 1 and not is_pipeline_module(module):
             require_pipeline_module(module, f"needed to split batches into num_microbatches={num_microbatches}")
         if activation_checkpointing is not False:
             layers = list(module.pipeline_layers())
             checkpoint_layers(layers, select_layers(layers, activation_checkpointing))
         self._casts = None  # built at the first step, on the module's device
+        self.delay = get_schedule(schedule).reference_delay
+        self.module = module
 
     def training_step(
         self, module: LightningModule, batch: Any, num_microbatches: int, precision_plugin: Precision
     ) -> Tensor:
-        """The batch's loss as the mean of its micro-batches' losses, logged as ``train/loss``; the micro-batch
-        losses are kept for :meth:`backward`."""
+        """The batch's loss as the mean of its micro-batches' losses; the micro-batch losses are kept for
+        :meth:`backward`. Logs ``train/loss``, the mean over the micro-batches of the optimizer step's
+        :attr:`window` so far (at its last batch, the step's)."""
+        window = self.window
         if self._casts is None:
             self._casts = shared_casts(module, precision_plugin)
         around = self._casts()  # the step's forwards share one cast of each weight
         aux: list[Tensor] = []
+        self.divisor = window.size * num_microbatches
         with precision_plugin.train_step_context():
-            self.losses = microbatch_losses(module, batch, num_microbatches, around, aux)
-        if aux:
-            module.log("train/aux_loss", torch.stack(aux).mean(), on_step=True, on_epoch=False)
+            self.losses = microbatch_losses(module, batch, num_microbatches, around, aux, window.size)
         losses = torch.stack([loss.detach() for loss in self.losses])
         check_finite_losses(losses, module.trainer.global_step, stage=0)
-        loss = torch.stack(self.losses).mean()
-        module.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
-        return loss
+        logged, aux_logged = window.record(losses, torch.stack(aux) if aux else None)
+        if aux_logged is not None:
+            module.log("train/aux_loss", aux_logged, on_step=True, on_epoch=False)
+        module.log("train/loss", logged, prog_bar=True, on_step=True, on_epoch=False)
+        return torch.stack(self.losses).mean()
 
     def backward(
         self, strategy: Strategy, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
@@ -120,7 +138,7 @@ class SingleDevice:
 
         Args:
             strategy: The strategy, whose ``pre_backward``/``post_backward`` and precision plugin run around it.
-            closure_loss: The step's loss (the micro-batches' mean).
+            closure_loss: The step's loss (the micro-batches' mean, divided by ``accumulate_grad_batches``).
             optimizer: The optimizer, as Lightning passes it.
         """
         losses, self.losses = self.losses, None
@@ -130,7 +148,8 @@ class SingleDevice:
         strategy.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, module)
         for loss in losses:
-            precision.backward(loss / len(losses), module, optimizer, *args, **kwargs)
+            # Each micro-batch weighs 1 / (k * M) in the step of k accumulated batches, as Lightning's 1 / k.
+            precision.backward(loss / self.divisor, module, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, module)
         strategy.post_backward(closure_loss)
         return closure_loss
@@ -141,6 +160,21 @@ class SingleDevice:
             self.delayed = DelayedWeights(module)
         return self.delayed
 
-    def delayed_closure(self, module: LightningModule, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure`` (forward and backward) run on ``w[t-1]``, the parameters back on ``w[t]`` afterwards."""
-        return self.delayed_weights(module).wrap_closure(closure)
+    def wrap(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The closure of an optimizer step: with a delay, ``closure`` (forward and backward) run on ``w[t-1]``, the
+        parameters back on ``w[t]`` afterwards, and ``w[t-1]`` advanced."""
+        if not self.delay:
+            return closure
+        check_closure_use(optimizer, DELAYED_STEP)
+        return self.delayed_weights(self.module).wrap_closure(closure)
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Around a batch of an accumulation window before its last (Lightning runs those in the strategy's
+        ``block_backward_sync``): with a delay its gradient is taken on ``w[t-1]``, as the last batch's is in
+        :meth:`wrap`."""
+        if not self.delay:
+            yield
+            return
+        with self.delayed_weights(self.module).delayed():
+            yield

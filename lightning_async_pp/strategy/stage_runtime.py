@@ -28,6 +28,7 @@ from lightning_async_pp.runtime.stage import StageRuntime
 from lightning_async_pp.runtime.timing import StepStats, write_chrome_trace
 from lightning_async_pp.schedule import get_schedule
 from lightning_async_pp.strategy.lifecycle import before_optimizer_step
+from lightning_async_pp.strategy.optimizer_steps import STAGE_STEP, AccumulationWindow, check_closure_use
 from lightning_async_pp.strategy.placement import StagePlacement
 from lightning_async_pp.strategy.signals import install_signal_stop
 from lightning_async_pp.strategy.stage_stats import StageStatistics
@@ -123,6 +124,7 @@ class PipelineStage:
         self.placement.check_tied_updates(self.stage, optimizer)
         if self._shards_optimizer:
             check_shardable(optimizer)
+        check_closure_use(optimizer, STAGE_STEP)
         self._training = (trainer, optimizer)
         self.runtime, self._restored = None, None
         if num_microbatches is not None:
@@ -188,18 +190,22 @@ class PipelineStage:
 
     # --- steps ------------------------------------------------------------------------------------
 
-    def training_step(self, module: LightningModule, batch: Any, num_microbatches: int) -> Tensor:
-        """Run one training step of the stage; log the loss on the last stages. Returns the loss (NaN elsewhere).
+    def training_step(self, module: LightningModule, window: AccumulationWindow, num_microbatches: int) -> Tensor:
+        """At the optimizer step, run the stage's step on the batches of ``window``; log the loss on the last stages.
+        Returns the loss (NaN elsewhere, and for a batch whose window has not reached its optimizer step yet).
 
         Args:
             module: The LightningModule, for logging.
-            batch: This step's batch.
-            num_microbatches: The micro-batches per step, decided by the first batch at the latest; the training
+            window: The batches of this optimizer step (more than one with gradient accumulation).
+            num_microbatches: The micro-batches per batch, decided by the first batch at the latest; the training
                 runtime is built with it if it was not yet.
         """
         if not self.trains:
             self._build_training_runtime(num_microbatches)
-        loss, stats = self.runtime.run_step(module.trainer.global_step, batch)
+        loss, stats = None, None
+        if window.complete:  # else the batch waits for the rest of its window
+            step = module.trainer.global_step
+            loss, stats = self.runtime.run_step(step, *window.batches, accumulation=window.size)
         if loss is not None:
             if self.dims.data_parallel_size > 1:  # the loss of the global batch: mean over the replicas
                 dist.all_reduce(loss, group=self.groups.data)

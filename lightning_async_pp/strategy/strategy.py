@@ -44,7 +44,6 @@ from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.runtime.contract import is_pipeline_module
 from lightning_async_pp.runtime.recompute import ActivationCheckpointing, check_option
 from lightning_async_pp.runtime.timing import StepStats
-from lightning_async_pp.schedule import get_schedule
 from lightning_async_pp.strategy.checkpointing import (
     PipelineCheckpoint,
     base_checkpoint_io,
@@ -65,6 +64,7 @@ from lightning_async_pp.strategy.lifecycle import (
     same_order_loader,
     sampler_kwargs,
 )
+from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow
 from lightning_async_pp.strategy.placement import layer_costs, partition_layers, place_stage
 from lightning_async_pp.strategy.processes import PipelineProcesses
 from lightning_async_pp.strategy.progress import show_epoch_without_total
@@ -181,7 +181,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.start_method = start_method
         self._data_seed = 0
         self._stage: PipelineStage | None = None
-        self._single_device = SingleDevice()
+        self._window = AccumulationWindow()  # the batches of one optimizer step (gradient accumulation)
+        self._single_device = SingleDevice(self._window)
         self._restored_sharded = False
         self._failure = FailureGuard()
 
@@ -273,7 +274,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         else:
             # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
             self._data_seed = local_seed()
-            self._single_device.setup(module, self.num_microbatches, self.activation_checkpointing)
+            self._single_device.setup(module, self.num_microbatches, self.activation_checkpointing, self.schedule)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             total = functools.partial(self.reduce, reduce_op="sum")
@@ -312,8 +313,9 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if self.auto_microbatches:  # decided once, by the first training batch, on every rank alike
             self.num_microbatches = choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
             self.auto_microbatches = False
+        self._window.add(batch, module.trainer)
         if self._stage is not None:
-            return self._stage.training_step(module, batch, self.num_microbatches)
+            return self._stage.training_step(module, self._window, self.num_microbatches)
         if not is_pipeline_module(module):
             return super().training_step(*args, **kwargs)
         return self._single_device.training_step(module, batch, self.num_microbatches, self.precision_plugin)
@@ -333,12 +335,14 @@ class AsyncPipelineStrategy(PipelineProcesses):
         model: LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._stage is not None:
-            # The stage runtime applies its updates itself, on its own clock, inside the step.
-            return closure()
-        if get_schedule(self.schedule).reference_delay:  # one step: DelayedWeights
-            closure = self._single_device.delayed_closure(self.lightning_module, closure)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._window.optimizer_step():  # the training step in `closure` is the window's last
+            if self._stage is not None:  # the stage runtime applies its updates itself, inside the step
+                return closure()
+            return super().optimizer_step(optimizer, self._single_device.wrap(optimizer, closure), model, **kwargs)
+
+    @override
+    def block_backward_sync(self) -> contextlib.AbstractContextManager:
+        return self._single_device.accumulating()  # around the batches of an accumulation window before its last
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -308,6 +308,7 @@ class PipelineThroughputMonitor(Callback):
         self._pause_start = 0.0
         self._paused = 0.0
         self._counts = [0, 0, 0]  # items, samples, steps since the last logged step
+        self._stepped_at = 0  # the global step at the last batch's end
 
     def snapshot(self, module: LightningModule) -> None:
         """Keep a meta-device copy of the whole model's layers, before the stages are cut (rank 0 only)."""
@@ -334,6 +335,7 @@ class PipelineThroughputMonitor(Callback):
         else:
             log.info(f"MFU against {self._peak / 1e12:g} TFLOP/s per device ({source}) x {strategy.world_size} devices")
         self._start, self._paused, self._counts = time.perf_counter(), 0.0, [0, 0, 0]
+        self._stepped_at = trainer.global_step
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -359,9 +361,10 @@ class PipelineThroughputMonitor(Callback):
         counts = self._counts
         counts[0] += items
         counts[1] += batch_size_of(batch)
-        counts[2] += 1
+        stepped, self._stepped_at = trainer.global_step != self._stepped_at, trainer.global_step
+        counts[2] += stepped  # an optimizer step: with accumulate_grad_batches, the last batch of a window
         step, every = trainer.global_step - 1, trainer.log_every_n_steps
-        if every == 0 or (step + 1) % every != 0:
+        if not stepped or every == 0 or (step + 1) % every != 0:
             return
         if strategy.root_device.type == "cuda":
             torch.cuda.synchronize(strategy.root_device)  # the host may run ahead of the device

@@ -27,6 +27,7 @@ from lightning_async_pp.models.data import refuse_custom_code
 from lightning_async_pp.models.token_writer import write_token_file
 from lightning_async_pp.models.tokens import TokenWindows
 from lightning_async_pp.strategy.launch import check_datamodule, check_train_loader
+from lightning_async_pp.strategy.optimizer_steps import DELAYED_STEP, STAGE_STEP
 from tests.fixtures.helpers import ROOT
 from tests.fixtures.token_files import position_file
 
@@ -125,6 +126,30 @@ def _objective_left_out() -> None:
     prove_cut(config, lambda model: (split_layers(model), Objective(model, None)))
 
 
+def _resumed_inside_a_window(_: Path) -> None:
+    from types import SimpleNamespace
+
+    from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow
+
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_idx=3))
+    module = SimpleNamespace(automatic_optimization=True)
+    AccumulationWindow().add(None, SimpleNamespace(accumulate_grad_batches=2, fit_loop=loop, lightning_module=module))
+
+
+def _closure_needed(why: str) -> None:
+    from lightning_async_pp.strategy.optimizer_steps import check_closure_use
+
+    check_closure_use(torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))]), why)
+
+
+def _closure_evaluated_twice(_: Path) -> None:
+    from lightning_async_pp.reference import DelayedWeights
+
+    closure = DelayedWeights(torch.nn.Linear(2, 1)).wrap_closure(lambda: None)
+    closure()
+    closure()
+
+
 _TINY_MOE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96)
 
 REFUSALS: dict[str, Callable[[Path], None]] = {
@@ -148,6 +173,10 @@ REFUSALS: dict[str, Callable[[Path], None]] = {
     "Hugging Face model without the structure": lambda _: _causal_lm("opt"),
     "Hugging Face model whose cut fails its proof": lambda _: _causal_lm("biogpt"),
     "mixture of experts whose objective differs": lambda _: _objective_left_out(),
+    "resumed inside an accumulation window": _resumed_inside_a_window,
+    "closure optimizer under 2BW": lambda _: _closure_needed(DELAYED_STEP),
+    "closure optimizer on several stages": lambda _: _closure_needed(STAGE_STEP),
+    "closure evaluated twice in a delayed step": _closure_evaluated_twice,
     "mixture of experts without a sparse layer": lambda _: _causal_lm(
         "qwen2_moe", **_TINY_MOE, mlp_only_layers=[0, 1], output_router_logits=True
     ),

@@ -123,3 +123,38 @@ def test_save_pretrained_refuses_a_partial_model(tmp_path):
     with pytest.raises(ValueError, match=r"no weights for \['model.layers.1.mlp.up_proj.weight'\]"):
         save_pretrained(checkpoint, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gpt_neox_folder_trains_on_two_stages_and_consolidates_into_a_folder_transformers_reads(tmp_path):
+    """Pythia's layout: ``save_pretrained`` stores GPT-NeoX's head as ``embed_out.weight``, which transformers reads
+    as ``lm_head.weight``; the stages read it so, and ``consolidate`` writes it back so."""
+    from tests.unit.models.test_hf_keys import hf_folder, stored_keys
+
+    folder = hf_folder(tmp_path / "pythia", "gpt_neox")
+    run = tmp_path / "run"
+    args = ["--pretrained", str(folder), "--devices", "2", "--schedule", "2bw", "--steps", "3", "--save-checkpoint"]
+    code, output = run_script([sys.executable, "-m", RUNNER, *args, "--out", str(run)], TIMEOUT)
+    assert code == 0, output[-6000:]
+    reads = [json.loads((run / f"read_rank{rank}.json").read_text())["read"] for rank in range(2)]
+    assert sorted(reads[0] + reads[1]) == sorted(stored_keys(folder))  # each key once, by the stage that owns it
+    assert "embed_out.weight" in reads[0] + reads[1] and all(reads)
+
+    # The first step's loss is transformers' own on the folder's weights.
+    batch = token_batches(1)[0]
+    with torch.no_grad():
+        own = AutoModelForCausalLM.from_pretrained(folder)(**batch, labels=batch["input_ids"]).loss
+    first = json.loads((run / "result.json").read_text())["losses"][0]
+    torch.testing.assert_close(torch.tensor(first), own, rtol=0, atol=1e-6)
+
+    done = consolidate(run / "final.ckpt", tmp_path / "model.ckpt")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "embed_out.weight" in stored_keys(tmp_path / "model-hf")
+    trained = {}
+    for rank in range(2):
+        trained.update(torch.load(run / f"weights_rank{rank}.pt"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model-hf")).state_dict()
+    assert sorted(loaded) == sorted(trained)
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name
+    original = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert not torch.equal(original["lm_head.weight"], trained["lm_head.weight"])  # it trained

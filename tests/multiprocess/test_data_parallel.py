@@ -6,7 +6,7 @@ import torch
 from lightning_async_pp import AsyncPipelineStrategy
 from tests.fixtures.helpers import fit, global_batches, tiny_gpt
 from tests.multiprocess.scripts.pipeline_run import make_optimizer
-from tests.multiprocess.test_pipeline_exactness import run_pipeline
+from tests.multiprocess.test_pipeline_exactness import run_pipeline, window_means
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,6 +31,23 @@ def test_two_replicas_of_two_stages_equal_single_device(tmp_path, optimizer):
     # arithmetic (the attention key bias: softmax ignores it) only rounding noise remains, which Adam
     # normalises into steps of up to lr * 1e-3 here; everything else agrees to 1e-5.
     for name, value in model.state_dict().items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=5e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_two_replicas_accumulating_equal_single_device_accumulating(tmp_path):
+    """``accumulate_grad_batches=2`` with two replicas of one stage: each replica accumulates its own 2 batches of M
+    micro-batches and the replicas average once per optimizer step, as one device accumulating 2 global batches of
+    D x M micro-batches does. SGD: its steps scale with the gradient, so a wrong loss scale shows."""
+    steps, D, M, k = 3, 2, 2, 2
+    extra = ("--pipeline-size", "1", "--total-steps", str(steps * k * D), "--accumulate", str(k))
+    result, weights = run_pipeline(tmp_path, D, "2bw", M, steps, "sgd", *extra)
+    torch.set_num_threads(1)
+    model = tiny_gpt(n_layer=4, optimizer=make_optimizer("sgd"))
+    strategy = AsyncPipelineStrategy(schedule="2bw", num_microbatches=D * M)
+    losses = fit(model, global_batches(steps * k, D), strategy=strategy, max_steps=steps, accumulate_grad_batches=k)
+    ref_losses = window_means(losses, k)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, value in model.state_dict().items():  # tolerances as above: the replicas' order of summation
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=5e-5, msg=lambda m: f"{name}: {m}")
 
 

@@ -245,3 +245,55 @@ def test_a_mixture_of_experts_on_two_stages_matches_its_reference(tmp_path, sche
     _, unbalanced = reference(schedule, microbatches, steps, optimizer, model_kwargs={**MOE, "aux_loss_coef": 0.0})
     router = "layers.1.mlp.router.weight"
     assert (unbalanced[router] - ref_weights[router]).abs().max() > 1e-4
+
+
+def window_means(losses: list[float], window: int) -> list[float]:
+    """Each optimizer step's mean loss from the loss Lightning returns per batch (divided by ``window``, the
+    batches a step accumulates; the last step of an epoch may have fewer)."""
+    losses = [loss * window for loss in losses]
+    return [sum(losses[i : i + window]) / len(losses[i : i + window]) for i in range(0, len(losses), window)]
+
+
+def plain_accumulated_means(
+    microbatches: int, batches: int, max_steps: int, optimizer: str, accumulate: int, **model_kwargs
+):
+    """Plain Lightning over the micro-batches of ``batches`` batches, accumulating ``accumulate`` batches of
+    ``microbatches`` each."""
+    torch.set_num_threads(1)
+    model = tiny_gpt(n_layer=4, optimizer=make_optimizer(optimizer), **model_kwargs)
+    parts = [tuple(t.chunk(microbatches)[i] for t in batch) for batch in random_batches(batches) for i in range(2)]
+    window = accumulate * microbatches
+    losses = fit(model, parts, max_steps=max_steps, accumulate_grad_batches=window)
+    return window_means(losses, window), {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_accumulated_batches_on_two_stages_match_their_reference(tmp_path, schedule):
+    """``accumulate_grad_batches=2`` over batches of 2 micro-batches: 7 batches are 4 optimizer steps, the last of
+    one batch (Lightning steps at the end of the epoch; the pipeline drains around that shorter step). 2BW equals
+    the one-device run with the same accumulation (which equals steps of 2 x 2 micro-batches bit for bit,
+    ``tests/unit/strategy/test_accumulation.py``); 1F1B equals plain Lightning accumulating the micro-batches.
+    The learning rate follows a per-step schedule, stepped once per optimizer step; SGD, whose steps scale with the
+    gradient (Adam's hardly do), shows a wrong loss scale."""
+    batches, steps, microbatches = 7, 4, 2
+    extra = ("--total-steps", str(batches), "--accumulate", "2", "--lr-schedule", "cosine")
+    cosine = {"lr_schedule": "cosine"}  # over max_steps: a new learning rate at each step
+    result, weights = run_pipeline(tmp_path, 2, schedule, microbatches, steps, "sgd", *extra)
+    if schedule == "2bw":
+        losses, ref_weights = reference(
+            schedule, microbatches, batches, "sgd", cosine, max_steps=steps, accumulate_grad_batches=2
+        )
+        ref_losses = window_means(losses, 2)
+    else:
+        ref_losses, ref_weights = plain_accumulated_means(microbatches, batches, steps, "sgd", 2, **cosine)
+    assert len(result["losses"]) == steps
+    assert_same_run(result, weights, ref_losses, ref_weights)
+
+
+@pytest.mark.multiprocess
+def test_an_optimizer_that_needs_its_closure_is_refused_on_several_stages(tmp_path):
+    command = [sys.executable, "-m", RUNNER, "--devices", "2", "--optimizer", "lbfgs", "--out", str(tmp_path)]
+    returncode, output = run_script(command, TIMEOUT)
+    assert returncode != 0
+    assert "`LBFGS.step` needs a closure" in output and "without a closure" in output, output[-3000:]

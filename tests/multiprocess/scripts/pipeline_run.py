@@ -82,14 +82,18 @@ class StopAt(Callback):
 
 
 class Recorder(Callback):
+    """``train/loss`` at each optimizer step (with gradient accumulation, at the last batch of each window)."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.steps: list[int] = []
         self.batch_sums: list[int] = []
+        self._step: int | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
-        if "train/loss" in metrics:
+        if "train/loss" in metrics and trainer.global_step != self._step:
+            self._step = trainer.global_step
             self.losses.append(float(metrics["train/loss"]))
             self.steps.append(trainer.global_step - 1)
             self.batch_sums.append(int(batch[0].sum()))
@@ -112,6 +116,7 @@ def main(argv=None) -> None:
     parser.add_argument("--experts-per-token", type=int, default=2)
     parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--split-points", type=str, default=None)
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--tie-weights", action="store_true")
@@ -201,6 +206,7 @@ def _run(args: argparse.Namespace) -> None:
         num_sanity_val_steps=0,
         callbacks=callbacks,
         gradient_clip_val=args.clip,
+        accumulate_grad_batches=args.accumulate,
         precision=args.precision,
         plugins=_checkpoint_plugins(args.checkpoint_io),
     )

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_async_pp.demos.gpt import GPT, MoE
 from lightning_async_pp.optim import Muon
@@ -155,7 +154,7 @@ def test_cross_entropy_of_a_mixture_runs_under_bf16_autocast():
 
 
 def test_the_plan_command_measures_a_mixture_on_fake_tensors(capsys):
-    """The planner traces the model on fake tensors, which hold no routing counts: an even split stands in."""
+    """The planner traces the model on fake tensors, which hold no values: the routing reads none on the host."""
     import json
 
     from lightning_async_pp.cli import main
@@ -164,6 +163,25 @@ def test_the_plan_command_measures_a_mixture_on_fake_tensors(capsys):
     report = json.loads(capsys.readouterr().out)
     model = GPT(n_layer=4, n_embd=96, n_head=4, block_size=64, n_experts=4, experts_per_token=2)
     assert report["model"]["parameters"] == sum(p.numel() for p in model.parameters())
-    assert MoE.expert_sizes(torch.tensor([3, 0, 5]), 8) == [3, 0, 5]
-    with FakeTensorMode():
-        assert MoE.expert_sizes(torch.zeros(3, dtype=torch.long), 8) == [3, 3, 2]
+
+
+def test_the_mixture_makes_no_host_sync_per_steady_state_step():
+    """Counted as the dense demo's are (scripts/gpu_check.py, tests/multiprocess/test_no_sync.py): the tensor
+    reads that would make the host wait for a GPU, during each step of a 1-stage runtime."""
+    from lightning_async_pp.runtime.stage import StageRuntime
+    from tests.multiprocess.test_no_sync import count_syncs
+
+    model = tiny_gpt(n_experts=4, experts_per_token=2)
+    runtime = StageRuntime(
+        kind="2bw", stage=0, num_stages=1, num_microbatches=2, layers=list(model.layers),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), inputs_fn=model.pipeline_inputs,
+        loss_fn=model.pipeline_loss, device=torch.device("cpu"),
+    )  # fmt: skip
+    counts = []
+    for step, batch in enumerate(random_batches(4, batch_size=4)):
+        counter: dict = {}
+        with count_syncs(counter):
+            runtime.run_step(step, batch)
+        counts.append(counter)
+    runtime.drain()
+    assert counts[2:] == [{}, {}], counts

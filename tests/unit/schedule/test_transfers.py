@@ -74,6 +74,25 @@ def test_schedules_never_deadlock_under_nccl_semantics(kind, P):
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_runs_of_other_micro_batch_counts_never_deadlock(kind, P):
+    """Gradient accumulation: steps of k x M micro-batches, a short last window of an epoch (M), then k x M again;
+    the runtime drains before a step whose count differs from its run's, so each count is a run of its own."""
+    M, k = P, 3
+    runs = [(0, 3, k * M), (3, 4, M), (4, 6, k * M), (6, 7, 2 * M)]
+    progs = []
+    for s in range(P):
+        segs = []
+        for start, end, count in runs:
+            segs += [step_actions(kind, P, count, s, step, run_start=start) for step in range(start, end)]
+            segs += [drain_actions(kind, P, count, s, end - 1, run_start=start), FLUSH]
+        progs.append(host_program(segs))
+    for per_link in (True, False):
+        check_transfers(progs, rendezvous=True, per_link=per_link)
+    check_transfers(progs, rendezvous=False, per_link=True)
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
 def test_eager_prefetch_deadlocks_under_the_model(kind, P):
     """The order used before transfers were batched (each link's receive posted at the segment start and

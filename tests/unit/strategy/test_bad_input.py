@@ -1,7 +1,6 @@
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_async_pp import AsyncPipelineStrategy
 from tests.fixtures.helpers import fit, random_batches, tiny_gpt
@@ -22,11 +21,6 @@ def test_batch_not_divisible_by_microbatches():
     batches = random_batches(2, batch_size=6)
     with pytest.raises(ValueError, match=r"6 samples.*num_microbatches=4"):
         fit(tiny_gpt(), batches, strategy=AsyncPipelineStrategy(num_microbatches=4))
-
-
-def test_accumulate_grad_batches_is_refused():
-    with pytest.raises(MisconfigurationException, match="num_microbatches"):
-        fit(tiny_gpt(), random_batches(2), strategy=AsyncPipelineStrategy(), accumulate_grad_batches=2)
 
 
 class PlainModule(LightningModule):

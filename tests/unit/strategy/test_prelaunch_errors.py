@@ -84,9 +84,8 @@ def no_launch(monkeypatch):
     ("trainer_kwargs", "match"),
     [
         ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, "global gradient norm only.*'value'.*'norm'"),
-        ({"accumulate_grad_batches": 2}, "accumulate_grad_batches.*raise `num_microbatches`"),
     ],
-    ids=["clip-by-value", "accumulate"],
+    ids=["clip-by-value"],
 )
 def test_trainer_settings_are_refused_before_any_process_starts(no_launch, trainer_kwargs, match):
     with pytest.raises(Exception, match=match):

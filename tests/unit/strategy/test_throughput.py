@@ -172,6 +172,26 @@ def test_logged_mfu_on_cpu_equals_the_hand_computation():
         assert m["throughput/sec_per_step"] >= WallClock.SLEEP
 
 
+def test_with_accumulation_a_step_is_an_optimizer_step():
+    """``accumulate_grad_batches=2``: logged once per optimizer step, whose time covers both batches' tokens."""
+    recorder = Recorder()
+    model = tiny_gpt(n_layer=2, n_embd=N_EMBD, block_size=BLOCK)
+    batches = random_batches(4, batch_size=4, block=BLOCK)
+    fit(
+        model,
+        batches,
+        AsyncPipelineStrategy(),
+        logger=recorder,
+        log_every_n_steps=1,
+        accumulate_grad_batches=2,
+        max_steps=2,
+    )
+    logged = [(step, m) for step, m in recorder.logged if "throughput/tokens_per_sec" in m]
+    assert [step for step, _ in logged] == [0, 1]
+    for _, m in logged:
+        assert m["throughput/tokens_per_sec"] * m["throughput/sec_per_step"] == pytest.approx(2 * 4 * BLOCK)
+
+
 class WallClock(Callback):
     """Notes the wall time after each step's other callbacks, then sleeps: time a wrong clock would miss."""
 
