@@ -1,5 +1,5 @@
-"""Mixtures of experts accepted by their structure, trained on 2 stages under 2BW: transformers' own loop on the
-delayed weights, from a save_pretrained folder where transformers writes the tensors under their own names."""
+"""Mixtures of experts accepted by their structure, trained on 2 stages under 2BW from a save_pretrained folder:
+transformers' own loop on the delayed weights."""
 
 from __future__ import annotations
 
@@ -39,25 +39,25 @@ def router_metrics(microbatches: list, top_k: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    "family, pretrained",
-    # GPT-OSS: router loss, attention sinks, sliding windows, expert biases, from its folder. DeepSeek-V3: a dense
-    # first layer, shared experts, grouped sigmoid routing with its score-correction bias, no router term.
-    [("gpt_oss", True), ("deepseek_v3", False)],
+    "family, attention",
+    # GPT-OSS: router loss, attention sinks, sliding windows, expert biases. DeepSeek-V3: a dense first layer,
+    # shared experts, grouped sigmoid routing with its score-correction bias (a buffer, read from the folder), no
+    # router term; save_pretrained writes its experts one by one.
+    [("gpt_oss", "eager"), ("deepseek_v3", "sdpa")],
 )
-def test_2bw_two_stages_equal_transformers_own_loop_on_delayed_weights(tmp_path, family, pretrained):
+def test_2bw_two_stages_equal_transformers_own_loop_on_delayed_weights(tmp_path, family, attention):
     steps, microbatches = 6, 2
-    source = materialized(family)
-    twin = hf_twin(source)
+    twin = hf_twin(materialized(family))
+    with torch.no_grad():  # weights unlike any fresh initialisation
+        for parameter in twin.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+        for name, buffer in twin.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.linspace(-0.5, 0.5, buffer.numel()))
+    twin.save_pretrained(tmp_path / "folder")
+    twin = AutoModelForCausalLM.from_pretrained(tmp_path / "folder", attn_implementation=attention)
     args = ["--devices", "2", "--schedule", "2bw", "--microbatches", str(microbatches), "--steps", str(steps)]
-    if pretrained:
-        with torch.no_grad():
-            for parameter in twin.parameters():  # weights unlike any fresh initialisation
-                parameter.add_(torch.randn_like(parameter) * 0.05)
-        twin.save_pretrained(tmp_path / "folder")
-        twin = AutoModelForCausalLM.from_pretrained(tmp_path / "folder", attn_implementation="eager")
-        args += ["--pretrained", str(tmp_path / "folder"), "--attn-implementation", "eager"]
-    else:
-        args += ["--family", family]
+    args += ["--pretrained", str(tmp_path / "folder"), "--attn-implementation", attention]
     result, weights, _ = run_pipeline(tmp_path / "run", *args, "--padding", "--log-metrics")
     aux: list[float] = []
     batches, logits = token_batches(steps, padding=True), []
