@@ -36,7 +36,8 @@ from lightning_async_pp.models.hf_layers import (
     input_ids,
     split_layers,
 )
-from lightning_async_pp.models.hf_moe import is_moe, refuse_unsupported_moe, route
+from lightning_async_pp.models.hf_moe import Objective, RoutedDecoderLayer, route, routers
+from lightning_async_pp.models.hf_router_stats import RouterStatistics
 from lightning_async_pp.models.hf_structure import prove_cut, refuse_unsupported
 from lightning_async_pp.models.training import log_lr_and_throughput, with_lr_schedule
 from lightning_async_pp.runtime.auxiliary import AuxiliaryLosses
@@ -126,8 +127,6 @@ def _read_config(
         checkpoint = SafetensorsFolder(folder)
     else:
         hf_config = AutoConfig.for_model(model_type, **overrides)
-    if is_moe(hf_config):
-        refuse_unsupported_moe(hf_config)
     refuse_unsupported(hf_config)
     return hf_config, checkpoint
 
@@ -148,8 +147,8 @@ class CausalLM(LightningModule):
     Args:
         model_type: A ``transformers`` decoder-only model type (``"llama"``, ``"gemma"``, ``"phi3"``, ...: those
             whose cut passes the proof; docs/user-guide.md section 11 lists the families tried), or a mixture of
-            experts: ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"`` (:mod:`~lightning_async_pp.models.hf_moe`; set
-            ``output_router_logits=True`` to train the routers' load-balancing loss, as in ``transformers``).
+            experts found by its routers and proved with its routers' loss (:mod:`~lightning_async_pp.models.hf_moe`;
+            set ``output_router_logits=True`` to train the routers' load-balancing loss, as in ``transformers``).
         config: Keyword arguments of that model type's configuration class (``LlamaConfig`` etc.), e.g.
             ``hidden_size``, ``num_hidden_layers``. With ``pretrained``, overrides of the saved configuration.
         pretrained: A local folder written by ``save_pretrained`` (``config.json`` and safetensors files).
@@ -168,8 +167,8 @@ class CausalLM(LightningModule):
             the compiled code, once per stage and micro-batch. See :mod:`lightning_async_pp.models.compiling`.
 
     Raises:
-        ValueError: For unsupported architectures (a mixture of experts outside ``hf_moe.SUPPORTED_MOE``,
-            multimodal, cross-attention, a base model without the decoder-only structure, a cut whose logits
+        ValueError: For unsupported architectures (multimodal, cross-attention, a base model without the
+            decoder-only structure, a cut whose logits, or a mixture of experts whose objective and gradients,
             differ from ``transformers``' own on a small copy: :mod:`~lightning_async_pp.models.hf_structure`), or
             when neither or both of ``model_type`` and ``pretrained`` are given.
     """
@@ -211,14 +210,17 @@ class CausalLM(LightningModule):
         )
         self.tied = self.tied and model.get_output_embeddings().weight is model.get_input_embeddings().weight
         layers = split_layers(model)
-        self.proof_seconds = prove_cut(self.hf_config, split_layers)  # before any worker starts; 0 once proved
+        self.proof_seconds = prove_cut(self.hf_config, pipeline_of)  # before any worker starts; 0 once proved
         compile_blocks((layer.layer for layer in layers if isinstance(layer, DecoderLayer)), compile)
         layers, self.router_loss = route(layers, model)  # a mixture of experts' decoders carry router totals
+        self.objective = Objective(model, self.router_loss)
+        sparse = [i - 1 for i, layer in enumerate(layers) if isinstance(layer, RoutedDecoderLayer) and layer.sparse]
+        self.router_statistics = RouterStatistics(sparse)  # rows added by the last stage, logged once per step
         self.layers = nn.ModuleList(layers)
         hf_names: dict[int, list[str]] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            hf_names.setdefault(id(param), []).append(name)
-        self._hf_names = {name: hf_names[id(param)] for name, param in self.named_parameters(remove_duplicate=False)}
+        for name, tensor in model.state_dict(keep_vars=True).items():  # persistent buffers too (DeepSeek's bias)
+            hf_names.setdefault(id(tensor), []).append(name)
+        self._hf_names = {name: hf_names[id(t)] for name, t in self.state_dict(keep_vars=True).items()}
         # The folder's tensors under the model's names, through transformers' own key conversions.
         self.stored = (
             None if self.checkpoint is None else StoredTensors(model, self.checkpoint.weight_map, self.checkpoint)
@@ -232,10 +234,11 @@ class CausalLM(LightningModule):
         return self._hf_names[name][0]
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """This process's parameters under their ``transformers`` names (load them with ``load_state_dict``)."""
+        """This process's parameters and persistent buffers under their ``transformers`` names (load them with
+        ``load_state_dict``)."""
         return {
             self.hf_name(name): param.detach()
-            for name, param in self.named_parameters(remove_duplicate=False)
+            for name, param in self.state_dict(keep_vars=True).items()
             if not param.is_meta
         }
 
@@ -314,7 +317,7 @@ class CausalLM(LightningModule):
         assert self.checkpoint is not None and self.stored is not None
         prefix = next(name for name, module in self.named_modules() if module is layer)
         wanted: dict[str, Tensor] = {}
-        for name, param in layer.named_parameters(prefix=prefix, remove_duplicate=False):
+        for name, param in layer.state_dict(prefix=f"{prefix}.", keep_vars=True).items():  # persistent buffers too
             if self.tied and isinstance(layer, Head) and name.endswith("lm_head.weight"):
                 embedding = self.layers[0]
                 if isinstance(embedding, Embedding) and embedding.embed_tokens.weight is param:
@@ -341,12 +344,10 @@ class CausalLM(LightningModule):
     def pipeline_loss(self, output: Tensor | tuple[Tensor, ...], batch: Any) -> Tensor:
         """The language-model loss; for a mixture-of-experts model whose output carries the routers' totals
         (:mod:`~lightning_async_pp.models.hf_moe`), with the load-balancing loss's gradient attached to it."""
-        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:])
         labels = batch_value(batch, "labels")
-        if labels is None:
-            labels = input_ids(batch)
-        loss = self._hf[0].loss_function(logits=logits, labels=labels, vocab_size=self.hf_config.vocab_size)
-        return loss if totals is None or self.router_loss is None else self.router_loss.attach(loss, totals)
+        if self.training and isinstance(output, tuple):
+            self.router_statistics.add(output[-1])  # what each sparse layer's routing did (hf_router_stats)
+        return self.objective(output, input_ids(batch) if labels is None else labels)
 
     def pipeline_validation_step(self, output: Tensor, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", self.pipeline_loss(output, batch), prog_bar=True)
@@ -374,12 +375,14 @@ class CausalLM(LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         log_lr_and_throughput(self, input_ids(batch).numel(), self._batch_start)
+        for name, value in self.router_statistics.metrics().items():  # device tensors: no host sync here
+            self.log(name, value, on_step=True, on_epoch=False)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
             from lightning_async_pp.optim import DelayCorrected, Muon
 
-            optimizer = DelayCorrected(Muon(self.named_parameters(), lr=0.02, adamw_lr=3e-3, weight_decay=0.1))
+            optimizer = DelayCorrected(Muon(self, lr=0.02, adamw_lr=3e-3, weight_decay=0.1))  # module: experts found
         else:
             optimizer = self.optimizer_factory(self.named_parameters())
         return with_lr_schedule(optimizer, self)
@@ -439,6 +442,13 @@ def save_pretrained(checkpoint: Mapping[str, Any], folder: str | Path) -> Path:
     # Its non-persistent buffers (rotary tables) stay on meta; from_pretrained computes them again.
     model.save_pretrained(str(folder))
     return Path(folder)
+
+
+def pipeline_of(model: nn.Module) -> tuple[list[nn.Module], Objective | None]:
+    """The pipeline layers of a ``transformers`` causal LM, and, for a mixture of experts, the objective they are
+    trained on (the proof of the cut checks it against ``.loss``; ``None`` for a dense model)."""
+    layers, router_loss = route(split_layers(model), model)
+    return layers, Objective(model, router_loss) if routers(model) else None
 
 
 def _post_order(module: nn.Module):

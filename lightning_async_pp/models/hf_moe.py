@@ -1,11 +1,21 @@
-"""Mixture-of-experts Hugging Face models through the pipeline, with the routers' load-balancing loss, exactly.
+"""Mixture-of-experts Hugging Face models through the pipeline, with the routers' terms of the objective, exactly.
+
+A mixture of experts is found by its structure, as dense families are: the modules whose output ``transformers``
+records as ``router_logits`` (the model's ``can_record_outputs``: its router of each sparse layer, whatever the
+family names it), and the load-balancing loss its causal-LM head adds to ``.loss`` when it has one (the model's
+``num_experts``, ``num_experts_per_tok`` and ``router_aux_loss_coef``, or JetMoE's ``aux_loss_coef``). Families
+whose ``.loss`` has no router term (DeepSeek-V3, GLM-4-MoE, Hunyuan-MoE: their routers balance by a bias that
+training does not learn) train on the language-model loss alone, as in ``transformers``. Whatever was found is
+proved when the model is built (:func:`~lightning_async_pp.models.hf_structure.prove_cut`: the pipeline layers'
+objective and gradients against ``transformers``' own ``.loss`` on a small copy), so a family whose objective has
+another term is refused with what differed.
 
 Every expert of a layer lives on the stage that owns the layer: a stage runs its mixture-of-experts layers as
 ``transformers`` does on one device (no expert parallelism).
 
-The load-balancing loss that ``transformers`` adds to the loss with ``output_router_logits=True``
-(``load_balancing_loss_func`` of Mixtral, Qwen2-MoE and Qwen3-MoE) is, over the sparse layers ``l`` and the tokens
-``t`` that the attention mask keeps, with ``E`` experts and ``R`` rows (tokens times sparse layers)::
+The load-balancing loss (``load_balancing_loss_func``, the same function in every family of ``transformers``
+5.24 that has one) is, over the sparse layers ``l`` and the tokens ``t`` that the attention mask keeps, with ``E``
+experts and ``R`` rows (tokens times routers)::
 
     aux = E * sum_e (assigned_e / R) * (probability_e / R)
     assigned_e    = sum_{l,t} [e among the top-k experts of token t in layer l]
@@ -14,57 +24,53 @@ The load-balancing loss that ``transformers`` adds to the loss with ``output_rou
 It is the product of two means over *every* layer, not a sum of per-layer terms, so no stage can compute its
 layers' share alone. Each sparse decoder layer therefore adds its routers' sums to three small float32 totals that
 travel forward with the hidden states, ``(hidden, assigned, probability, rows)``: ``assigned`` carries no gradient,
-``probability`` is differentiable, ``rows`` counts the tokens. The last stage turns the totals into the loss and
+``probability`` is differentiable, ``rows`` counts the tokens. A stage without a sparse layer hands them on (or,
+before the first sparse layer, sends the hidden states alone). The last stage turns the totals into the loss and
 attaches it to the language-model loss (:func:`~lightning_async_pp.runtime.auxiliary.attach_auxiliary_loss`, with
-``router_aux_loss_coef``): its gradient flows back through the differentiable sums, across the stages, into every
+the family's coefficient): its gradient flows back through the differentiable sums, across the stages, into every
 router, while the loss the stage returns and logs stays the language-model loss. Each boundary carries ``2E + 1``
-floats more.
+floats more, and, for every mixture of experts, a table of what each sparse layer's routing did
+(:mod:`~lightning_async_pp.models.hf_router_stats`, ``2E + 2`` floats per sparse layer so far), which the last
+stage logs.
 
-The statistics are computed only when the configuration asks for the loss (``output_router_logits=True``), as in
-``transformers``, whose loss leaves it out otherwise.
+The load-balancing totals are computed only when the configuration asks for the loss
+(``output_router_logits=True``), as in ``transformers``, whose loss leaves it out otherwise.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_async_pp.models.hf_router_stats import layer_row
 from lightning_async_pp.runtime.auxiliary import attach_auxiliary_loss
 
-SUPPORTED_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
-"""Mixture-of-experts ``model_type`` values the adapter trains (each tested against ``transformers``' own loop)."""
-
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-# Each family's router class (its forward returns the router logits first, as transformers' own OutputRecorder
-# reads them), and the names under which `save_pretrained` stores its experts' matrices (transformers keeps them
-# stacked in memory and converts on loading): the MoE block, the gate, up and down projections.
-_ROUTERS = {"mixtral": "MixtralTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter"}
-_PER_EXPERT_NAMES = {
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-    "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-}
+COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
+"""The attributes under which a ``transformers`` causal LM keeps its load-balancing loss's weight."""
 
 
-def is_moe(config: Any) -> bool:
-    """Whether a ``transformers`` configuration describes a mixture-of-experts model."""
-    return any(getattr(config, key, None) for key in EXPERT_KEYS)
+def routers(model: nn.Module) -> list[Any]:
+    """The ``transformers`` output recorders of a model's router logits (empty for a dense model): each names the
+    router's class, the index of the logits in its output and optionally the name the router's module has."""
+    recorders = getattr(model, "can_record_outputs", None) or {}
+    found = recorders.get("router_logits")
+    if found is None:
+        return []
+    return list(found) if isinstance(found, (list, tuple)) else [found]
 
 
-def refuse_unsupported_moe(config: Any) -> None:
-    """Raise a ``ValueError`` unless the adapter trains this mixture-of-experts configuration exactly."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MOE:
-        raise ValueError(
-            f"CausalLM trains the mixture-of-experts model types {', '.join(SUPPORTED_MOE)}, not "
-            f"model_type={model_type!r}: each family's routing and load-balancing loss is checked against "
-            "transformers' own training loop before it is accepted."
-        )
+def load_balancing(model: nn.Module) -> RouterLoss | None:
+    """The load-balancing loss a ``transformers`` causal LM adds to its ``.loss`` (``None`` when it has no
+    coefficient for one), from the attributes its forward reads."""
+    coefficient = next((getattr(model, name) for name in COEFFICIENTS if hasattr(model, name)), None)
+    num_experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if coefficient is None or not isinstance(num_experts, int) or not isinstance(top_k, int):
+        return None
+    return RouterLoss(num_experts, top_k, float(coefficient))
 
 
 class RouterLoss:
@@ -111,8 +117,8 @@ class RouterLoss:
         return mask.reshape(-1).to(device=weights.device, dtype=torch.float32)
 
     def __call__(self, totals: Sequence[Tensor]) -> Tensor:
-        """The load-balancing loss of the totals of every sparse layer."""
-        assigned, probability, rows = totals
+        """The load-balancing loss of the totals of every sparse layer (what follows them is ignored)."""
+        assigned, probability, rows = totals[0], totals[1], totals[2]
         return torch.sum((assigned / rows) * (probability / rows).unsqueeze(0)) * self.num_experts
 
     def attach(self, loss: Tensor, totals: Sequence[Tensor]) -> Tensor:
@@ -120,57 +126,86 @@ class RouterLoss:
         return attach_auxiliary_loss(loss, self(totals), weight=self.coefficient)
 
 
+def _recorded(recorder: Any, name: str, module: nn.Module) -> bool:
+    """Whether ``transformers`` records ``module`` (named ``name`` in its decoder layer) with ``recorder``."""
+    target = getattr(recorder, "target_class", None)
+    if target is None or not isinstance(module, target):
+        return False
+    layer_name = getattr(recorder, "layer_name", None)
+    return layer_name is None or f".{layer_name.strip('.')}." in f".{name}."
+
+
 class RoutedDecoderLayer(nn.Module):
     """A decoder layer of a mixture-of-experts model that adds its routers' statistics to the totals.
 
     It takes and returns the hidden states alone until the first sparse layer, then
-    ``(hidden, assigned, probability, rows)``; a dense layer (Qwen2-MoE's ``mlp_only_layers``) hands the totals on.
+    ``(hidden, assigned, probability, rows, statistics)`` (``(hidden, statistics)`` without a load-balancing loss);
+    a dense layer (Qwen2-MoE's ``mlp_only_layers``, DeepSeek-V3's first layers) hands them on. ``statistics`` has
+    one row per sparse layer so far (:mod:`~lightning_async_pp.models.hf_router_stats`).
 
     Args:
         decoder: The pipeline layer it runs (``hf_layers.DecoderLayer``): its ``transformers`` layer and rotary
             embedding are registered here under the same names, so parameter names are those of a dense model.
-        router_type: The name of the router's class; its forward returns the router logits first.
-        loss: The loss the totals are for.
+        recorders: ``transformers``' recorders of the router logits (:func:`routers`).
+        loss: The loss the totals are for (``None``: the statistics alone travel).
+        top_k: Experts per token, for the statistics of a layer whose experts module does not say which.
     """
 
     reads_batch = True
 
-    def __init__(self, decoder: nn.Module, router_type: str, loss: RouterLoss) -> None:
+    def __init__(self, decoder: nn.Module, recorders: Sequence[Any], loss: RouterLoss | None, top_k: int) -> None:
         super().__init__()
         self.layer = decoder.layer
         self.rotary_emb = decoder.rotary_emb
         self._decoder = (decoder,)  # not registered: its modules are this module's
         self.router_loss = loss
+        self.top_k = top_k
         self._logits: list[Tensor] = []
+        self._selected: list[Tensor] = []
         self.sparse = False
-        for module in self.layer.modules():
-            if type(module).__name__ == router_type:
-                # Read from the router's output as transformers' own OutputRecorder does: the decoder layer is run
-                # as it is (or compiled), without a copy of its forward.
-                module.register_forward_hook(self._record)
-                self.sparse = True
+        for name, module in self.layer.named_modules():
+            if name.rpartition(".")[2].endswith("experts"):  # called with the tokens' experts (top_k_index)
+                module.register_forward_pre_hook(self._select)
+            for recorder in recorders:
+                if _recorded(recorder, name, module):
+                    # Read from the router's output as transformers' own recorder does: the decoder layer is run
+                    # as it is (or compiled), without a copy of its forward.
+                    module.register_forward_hook(self._recorder(getattr(recorder, "index", 0)))
+                    self.sparse = True
 
-    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._logits.append(output[0])
+    def _recorder(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            self._logits.append(output[index] if isinstance(output, tuple) else output)
+
+        return record
+
+    def _select(self, module: nn.Module, args: Any) -> None:
+        if len(args) > 1 and isinstance(args[1], Tensor) and not args[1].is_floating_point():
+            self._selected.append(args[1].detach())
 
     def forward(self, x: Tensor | tuple[Tensor, ...], batch: Any = None) -> Tensor | tuple[Tensor, ...]:
-        hidden, totals = (x, None) if isinstance(x, Tensor) else (x[0], x[1:])
-        self._logits = []
+        hidden, totals, table = (x, None, None) if isinstance(x, Tensor) else (x[0], x[1:-1] or None, x[-1])
+        self._logits, self._selected = [], []
         hidden = self._decoder[0](hidden, batch)
-        logits, self._logits = self._logits, []
-        for layer_logits in logits:
+        (logits, self._logits), (selected, self._selected) = (self._logits, []), (self._selected, [])
+        for layer_logits in logits if self.router_loss is not None else ():
             totals = self.router_loss.add(totals, layer_logits, batch)
-        return hidden if totals is None else (hidden, *totals)
+        if logits:
+            row = layer_row(logits, selected, batch, self.top_k).unsqueeze(0)
+            table = row if table is None else torch.cat([table, row])
+        return hidden if table is None else (hidden, *(totals or ()), table)
 
 
 def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], RouterLoss | None]:
-    """The pipeline layers of a ``transformers`` model, with its decoder layers carrying the routers' statistics
-    when its configuration asks for the load-balancing loss, and that loss (``None`` otherwise, and for dense
-    models). The head hands the totals on after the logits."""
+    """The pipeline layers of a ``transformers`` model, with the decoder layers of a mixture of experts carrying
+    their routing statistics and, when its objective has a load-balancing loss and its configuration asks for it,
+    the loss's totals; and that loss (``None`` otherwise, and for dense models). The head hands them on after the
+    logits."""
     config = model.config
-    if not is_moe(config):
+    recorders, loss = routers(model), load_balancing(model)
+    if not recorders:
         return layers, None
-    if not getattr(config, "output_router_logits", False):
+    if loss is not None and not getattr(config, "output_router_logits", False):
         warnings.warn(
             f"This {config.model_type} model trains without its routers' load-balancing loss "
             "(output_router_logits=False, transformers' default), so nothing keeps its experts in use: set "
@@ -178,63 +213,68 @@ def route(layers: list[nn.Module], model: nn.Module) -> tuple[list[nn.Module], R
             UserWarning,
             stacklevel=3,
         )
-        return layers, None
-    num_experts = getattr(config, "num_local_experts", None) or config.num_experts
-    loss = RouterLoss(num_experts, config.num_experts_per_tok, float(config.router_aux_loss_coef))
-    blocks = {id(block) for block in model.model.layers}
+        loss = None
+    blocks = {id(block) for block in model.base_model.get_submodule(_layers_name(model))}
+    top_k = getattr(model, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", None) or 1
+    top_k = max(top_k) if isinstance(top_k, (list, tuple)) else int(top_k)
     routed = [
-        RoutedDecoderLayer(layer, _ROUTERS[config.model_type], loss)
-        if id(getattr(layer, "layer", None)) in blocks
-        else layer
+        RoutedDecoderLayer(layer, recorders, loss, top_k) if id(getattr(layer, "layer", None)) in blocks else layer
         for layer in layers
     ]
     if not any(isinstance(layer, RoutedDecoderLayer) and layer.sparse for layer in routed):
+        if loss is None:
+            return layers, None
         raise ValueError(
-            f"This {config.model_type} configuration has no sparse layer (see decoder_sparse_step and "
-            "mlp_only_layers), so there is no load-balancing loss to train: set output_router_logits=False."
+            f"This {config.model_type} configuration has no sparse layer (see decoder_sparse_step, "
+            "mlp_only_layers, first_k_dense_replace), so there is no load-balancing loss to train: set "
+            "output_router_logits=False."
         )
     return routed, loss
 
 
-def stored_slices(name: str, param: Tensor, model_type: str) -> dict[str, Tensor]:
-    """The tensors that ``save_pretrained`` stores for a parameter under other names, each mapped to the view of
-    ``param`` it fills (``{}`` when it is stored under its own name).
+class Objective:
+    """A causal LM's training objective on its pipeline layers' output: ``transformers``' loss function on the
+    logits and, where the model's layers carry router totals, the load-balancing loss, as its ``.loss`` adds them.
 
-    ``transformers`` keeps a layer's experts stacked (``experts.gate_up_proj``: ``(E, 2I, H)``, gate rows first;
-    ``experts.down_proj``: ``(E, H, I)``) and writes them per expert, under Mixtral's older module name
-    ``block_sparse_moe`` for its ``mlp``; it converts them on loading. A stage reads only its own layers' tensors.
+    Args:
+        model: The ``transformers`` causal LM (its ``loss_function`` and vocabulary size are used).
+        router_loss: The load-balancing loss the layers' totals are for (:func:`route`), or ``None``.
     """
-    names = _PER_EXPERT_NAMES.get(model_type)
-    if names is None or ".mlp." not in name:
-        return {}
-    block, gate, up, down = names
-    stored = name.replace(".mlp.", f".{block}.", 1)
-    prefix, _, leaf = stored.rpartition(".experts.")
-    if leaf == "down_proj" and param.dim() == 3:
-        return {f"{prefix}.experts.{e}.{down}.weight": param[e] for e in range(param.shape[0])}
-    if leaf == "gate_up_proj" and param.dim() == 3:
-        half = param.shape[1] // 2
-        slices = {}
-        for e in range(param.shape[0]):
-            slices[f"{prefix}.experts.{e}.{gate}.weight"] = param[e, :half]
-            slices[f"{prefix}.experts.{e}.{up}.weight"] = param[e, half:]
-        return slices
-    return {} if stored == name else {stored: param}
+
+    def __init__(self, model: nn.Module, router_loss: RouterLoss | None) -> None:
+        self.loss_function = model.loss_function
+        self.vocab_size = model.config.vocab_size
+        self.router_loss = router_loss
+
+    def _parts(self, output: Tensor | tuple[Tensor, ...], labels: Tensor) -> tuple[Tensor, Sequence[Tensor] | None]:
+        logits, totals = (output, None) if isinstance(output, Tensor) else (output[0], output[1:-1])
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size)
+        return loss, (totals if self.router_loss is not None and totals else None)
+
+    def __call__(self, output: Tensor | tuple[Tensor, ...], labels: Tensor) -> Tensor:
+        """The language-model loss, with the load-balancing loss's gradient (times its coefficient) attached."""
+        loss, totals = self._parts(output, labels)
+        return loss if totals is None or self.router_loss is None else self.router_loss.attach(loss, totals)
+
+    def value(self, output: Tensor | tuple[Tensor, ...], labels: Tensor) -> Tensor:
+        """The whole objective's value: the language-model loss plus the coefficient times the load-balancing loss
+        (``transformers``' ``.loss``)."""
+        loss, totals = self._parts(output, labels)
+        if totals is None or self.router_loss is None:
+            return loss
+        return loss + self.router_loss.coefficient * self.router_loss(totals)
 
 
-def stored_elsewhere(checkpoint: Container[str], name: str, param: Tensor, model_type: str) -> dict[str, Tensor]:
-    """:func:`stored_slices` when the folder holds every one of them, else ``{}``."""
-    slices = stored_slices(name, param, model_type)
-    return slices if all(key in checkpoint for key in slices) else {}
+def _layers_name(model: nn.Module) -> str:
+    return next(name for name, child in model.base_model.named_children() if isinstance(child, nn.ModuleList))
 
 
 __all__ = [
-    "SUPPORTED_MOE",
+    "COEFFICIENTS",
+    "Objective",
     "RouterLoss",
     "RoutedDecoderLayer",
-    "stored_elsewhere",
-    "stored_slices",
-    "is_moe",
-    "refuse_unsupported_moe",
+    "load_balancing",
     "route",
+    "routers",
 ]

@@ -10,7 +10,10 @@ attribute that holds its constant.
 Finding the pieces proves nothing about what the forward does between them, so each cut is proved before
 training: :func:`prove_cut` builds a small copy of the same configuration on the CPU (:func:`narrow_config`), runs
 its pipeline layers in order, and compares their logits with ``transformers``' own forward, with and without
-padding. A family whose forward does anything else is refused with what differed.
+padding. For a mixture of experts it also compares, in training mode, the pipeline's objective (the language-model
+loss and the routers' terms, :mod:`~lightning_async_pp.models.hf_moe`) and the gradient of every parameter with
+``transformers``' own ``.loss`` and its gradients. A family whose forward or objective does anything else is
+refused with what differed.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +40,22 @@ PROOF_WIDTH = dict(heads=4, intermediate=128, vocab=256, sliding_window=4, batch
 """The proof's small copy: attention heads (each of the configuration's own head size), MLP width, vocabulary,
 sliding window (below the proof's sequence length, so sliding layers differ from full ones), batch size and
 tokens of its random batch."""
+
+
+class Objective(Protocol):
+    """A training objective on the pipeline layers' output (:class:`~lightning_async_pp.models.hf_moe.Objective`)."""
+
+    def __call__(self, output: Any, labels: Tensor) -> Tensor:
+        """The loss that is back-propagated (its value may leave out terms whose gradient it carries)."""
+        ...
+
+    def value(self, output: Any, labels: Tensor) -> Tensor:
+        """The whole objective's value."""
+        ...
+
+
+Cut = Callable[[nn.Module], tuple[list[nn.Module], "Objective | None"]]
+"""A model's pipeline layers, and the objective to prove on them (``None``: the logits alone are proved)."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +124,7 @@ class Structure:
 
 
 def refuse_unsupported(config: Any) -> None:
-    """Refuse, from the configuration alone, the models whose structure the pipeline cannot carry (mixtures of
-    experts are :func:`~lightning_async_pp.models.hf_moe.refuse_unsupported_moe`'s)."""
+    """Refuse, from the configuration alone, the models whose structure the pipeline cannot carry."""
     model_type = getattr(config, "model_type", None)
     if any(hasattr(config, key) for key in ("vision_config", "audio_config")) or (
         getattr(config, "text_config", None) is not None and config.text_config is not config
@@ -201,8 +219,8 @@ def narrow_config(config: Any) -> Any:
 
     Each head keeps the configuration's own size (so rotary settings stay valid); the copy has one layer per
     distinct kind of layer (``layer_types`` and other per-layer lists; at least two layers), a narrow MLP, a
-    small vocabulary (special token ids outside it become ``None``) and a sliding window below the proof's
-    sequence length.
+    small vocabulary (special token ids outside it become ``None``), a sliding window below the proof's
+    sequence length and, for a mixture of experts, few experts and a sparse layer among its first two.
     """
     narrow = copy.deepcopy(config)
     heads = getattr(config, "num_attention_heads", None)
@@ -224,8 +242,7 @@ def narrow_config(config: Any) -> Any:
                 ids = [value] if isinstance(value, int) else list(value)
                 kept = [i for i in ids if i < PROOF_WIDTH["vocab"]]
                 updates[key] = (kept[0] if kept else None) if isinstance(value, int) else (kept or None)
-    if getattr(config, "output_router_logits", False):  # the proof compares logits, not the routers' loss
-        updates["output_router_logits"] = False
+    updates.update(_narrow_experts(config))
     if getattr(config, "sliding_window", None) is not None:
         updates["sliding_window"] = min(config.sliding_window, PROOF_WIDTH["sliding_window"])
     per_layer = _per_layer_attributes(config)
@@ -241,6 +258,33 @@ def narrow_config(config: Any) -> Any:
     for key, value in updates.items():
         setattr(narrow, key, value)
     return narrow
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_FIRST_SPARSE = ("first_k_dense_replace", "moe_layer_start_index")  # dense layers before the first sparse one
+
+
+def _narrow_experts(config: Any) -> dict[str, Any]:
+    """A mixture of experts' settings in the small copy: few experts (enough for its top-k and its groups), and a
+    sparse layer among the copy's first two."""
+    settings = config.to_dict()
+    updates: dict[str, Any] = {}
+    top_k = getattr(config, "num_experts_per_tok", None)
+    top_k = max(top_k) if isinstance(top_k, (list, tuple)) else top_k
+    groups, chosen = settings.get("n_group") or 1, settings.get("topk_group") or 1
+    for key in _EXPERT_COUNTS:
+        experts = settings.get(key)
+        if isinstance(experts, int) and not isinstance(experts, bool) and isinstance(top_k, int):
+            per_group = max(2, -(-top_k // chosen))  # the group scores take each group's two best experts
+            updates[key] = min(experts, max(groups * per_group, 2 * top_k, 4))
+    for key in _FIRST_SPARSE:
+        if isinstance(settings.get(key), int):
+            updates[key] = min(settings[key], 1)
+    if isinstance(settings.get("decoder_sparse_step"), int):
+        updates["decoder_sparse_step"] = min(settings["decoder_sparse_step"], 2)
+    if isinstance(settings.get("mlp_only_layers"), list):
+        updates["mlp_only_layers"] = [index for index in settings["mlp_only_layers"] if index < 1]
+    return updates
 
 
 def _proof_batches(vocab_size: int) -> list[dict[str, Tensor]]:
@@ -277,13 +321,16 @@ def _compare(ours: Tensor, theirs: Tensor, mask: Tensor | None) -> tuple[float, 
 _PROVEN: dict[tuple, str | None] = {}
 
 
-def prove_cut(config: Any, split: Callable[[nn.Module], list[nn.Module]]) -> float:
-    """Check that ``split``'s pipeline layers, run in order, compute ``transformers``' own logits.
+def prove_cut(config: Any, cut: Cut) -> float:
+    """Check that ``cut``'s pipeline layers, run in order, compute ``transformers``' own logits, and their
+    objective (where ``cut`` gives one) its own ``.loss`` and gradients.
 
     On a small copy of ``config`` (:func:`narrow_config`) in float32 on the CPU with unit-scale random weights,
     on a random batch without and with left padding: the largest difference of a logit at a non-padded position
-    must stay below :data:`PROOF_TOLERANCE`. The verdict is kept per configuration class and copy, so that a
-    process proves each configuration once.
+    must stay below :data:`PROOF_TOLERANCE` of the largest logit. With an objective, in training mode from the same
+    random state on both sides, the objective's value must match ``.loss`` and each parameter's gradient the
+    gradient of ``.loss`` within :data:`PROOF_TOLERANCE` of the largest of them. The verdict is kept per
+    configuration class and copy, so that a process proves each configuration once.
 
     Returns:
         The seconds the proof took (0 when it was already proved in this process).
@@ -308,7 +355,7 @@ def prove_cut(config: Any, split: Callable[[nn.Module], list[nn.Module]]) -> flo
             if verdict is None:
                 return 0.0
         else:
-            verdict = _run_proof(narrow, split)
+            verdict = _run_proof(narrow, cut)
             _PROVEN[key] = verdict
     if verdict is None:
         return time.perf_counter() - start
@@ -319,7 +366,7 @@ def prove_cut(config: Any, split: Callable[[nn.Module], list[nn.Module]]) -> flo
     )
 
 
-def _run_proof(narrow: Any, split: Callable[[nn.Module], list[nn.Module]]) -> str | None:
+def _run_proof(narrow: Any, cut: Cut) -> str | None:
     """``None`` when the cut computes the model's own logits, else what differed."""
     from transformers import AutoModelForCausalLM
 
@@ -330,12 +377,14 @@ def _run_proof(narrow: Any, split: Callable[[nn.Module], list[nn.Module]]) -> st
             model = AutoModelForCausalLM.from_config(narrow, attn_implementation=narrow._attn_implementation)
         model = model.to(PROOF_DTYPE).eval()
         _randomize(model)
-        layers = split(model)
-        for batch in _proof_batches(narrow.vocab_size):
+        layers, objective = cut(model)
+        batches = _proof_batches(narrow.vocab_size)
+        for batch in batches:
             mask = batch.get("attention_mask")
             with torch.no_grad():
                 theirs = model(**batch).logits
                 ours = run_layers(layers, batch["input_ids"], batch)
+            ours = ours if isinstance(ours, Tensor) else ours[0]
             if ours.shape != theirs.shape:
                 shapes = f"{tuple(ours.shape)}, not {tuple(theirs.shape)}"
                 return f"on {copy_name}, the pipeline's logits have shape {shapes}"
@@ -349,13 +398,53 @@ def _run_proof(narrow: Any, split: Callable[[nn.Module], list[nn.Module]]) -> st
                     f"{largest:.3g}; tolerance {PROOF_TOLERANCE:g} of it): its forward does something between the "
                     "token embedding, the decoder layers, the final norm and the head that the pipeline layers do not"
                 )
+        if objective is not None:
+            return _prove_objective(model.train(), layers, objective, batches, copy_name)
     except Exception as error:
         failure = f"{type(error).__name__}: {error}"
         return f"running {copy_name} and its pipeline layers failed ({failure})"
     return None
 
 
+def _prove_objective(
+    model: nn.Module, layers: list[nn.Module], objective: Objective, batches: list[dict[str, Tensor]], copy_name: str
+) -> str | None:
+    """``None`` when ``objective`` on the pipeline layers gives ``transformers``' own ``.loss`` and gradients."""
+    params = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    for batch in batches:
+        labels = batch["input_ids"]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)  # the same draws on both sides (a router's jitter, dropout)
+            theirs = model(**batch, labels=labels).loss
+        expected = torch.autograd.grad(theirs, list(params.values()), allow_unused=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            output = run_layers(layers, batch["input_ids"], batch)
+        value = objective.value(output, labels)
+        found = torch.autograd.grad(objective(output, labels), list(params.values()), allow_unused=True)
+        padding = "with" if "attention_mask" in batch else "without"
+        where = f"on {copy_name} in float32 and training mode, {padding} padding"
+        if not abs(float(value) - float(theirs)) <= PROOF_TOLERANCE * max(1.0, abs(float(theirs))):
+            return (
+                f"{where}, the pipeline's objective is {float(value):.6g} and transformers' .loss {float(theirs):.6g}"
+                ": its loss has a term (a router's) that the pipeline does not compute, or the other way round"
+            )
+        largest = max((float(g.abs().max()) for g in expected if g is not None), default=0.0)
+        for name, ours, their in zip(params, found, expected):
+            ours = torch.zeros_like(params[name]) if ours is None else ours
+            their = torch.zeros_like(params[name]) if their is None else their
+            difference = float((ours - their).abs().max())
+            if not difference <= PROOF_TOLERANCE * max(1.0, largest):
+                return (
+                    f"{where}, the gradient of {name} differs from the one of transformers' .loss by up to "
+                    f"{difference:.3g} (largest gradient {largest:.3g}; tolerance {PROOF_TOLERANCE:g} of it)"
+                )
+    return None
+
+
 __all__ = [
+    "Cut",
+    "Objective",
     "PROOF_TOLERANCE",
     "PROOF_WIDTH",
     "TRANSFORMS",

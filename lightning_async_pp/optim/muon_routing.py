@@ -183,8 +183,8 @@ def expert_roles(
         in_stacking = tensor in holders and id(holders[tensor]) in stacking
         if named_experts(module) or (counts_experts(tensor) and in_stacking):
             roles[index] = EXPERT_VECTORS
-        elif module is not None and experts_beside.get(module.rpartition(".")[0]) == tensor.shape[0]:
-            roles[index] = ROUTER
+        elif any(experts_beside.get(block) == tensor.shape[0] for block in _enclosing(module, 2)):
+            roles[index] = ROUTER  # beside the experts, or in a router module of its own (Hunyuan's gate.wg)
         elif counts_experts(tensor):  # e.g. transformers' `*TopKRouter`, which says its `num_experts`
             roles[index] = ROUTER
     return roles
@@ -201,6 +201,15 @@ def _listed_experts(named: Sequence[tuple[str | None, Tensor]], named_experts: A
                 children.setdefault(".".join(path[:depth]), set()).add(path[depth])
                 break
     return {module.rpartition(".")[0]: len(names) for module, names in children.items()}
+
+
+def _enclosing(module: str | None, levels: int) -> list[str]:
+    """The modules ``levels`` levels up from ``module`` at most (``a.b.c``, 2: ``a.b``, ``a``)."""
+    out: list[str] = []
+    while module and len(out) < levels:
+        module = module.rpartition(".")[0]
+        out.append(module)
+    return out
 
 
 def _module(name: str | None) -> str | None:

@@ -128,6 +128,19 @@ def _custom_code(folder: Path) -> None:
     refuse_custom_code(folder / "config.json")
 
 
+def _objective_left_out() -> None:
+    """The proof of an OLMoE cut whose objective leaves the routers' loss out."""
+    from transformers import AutoConfig
+
+    from lightning_async_pp.models.hf import split_layers
+    from lightning_async_pp.models.hf_moe import Objective
+    from lightning_async_pp.models.hf_structure import prove_cut
+
+    config = AutoConfig.for_model("olmoe", **_TINY_MOE, num_experts=4, output_router_logits=True)
+    config._attn_implementation = "sdpa"
+    prove_cut(config, lambda model: (split_layers(model), Objective(model, None)))
+
+
 def _resumed_inside_a_window(_: Path) -> None:
     from types import SimpleNamespace
 
@@ -180,7 +193,7 @@ REFUSALS: dict[str, Callable[[Path], None]] = {
     "model folder with code of its own": _custom_code,
     "Hugging Face model without the structure": lambda _: _causal_lm("opt"),
     "Hugging Face model whose cut fails its proof": lambda _: _causal_lm("biogpt"),
-    "mixture of experts of another family": lambda _: _causal_lm("olmoe", num_experts=4),
+    "mixture of experts whose objective differs": lambda _: _objective_left_out(),
     "resumed inside an accumulation window": _resumed_inside_a_window,
     "closure optimizer under 2BW": lambda _: _closure_needed(DELAYED_STEP),
     "closure optimizer on several stages": lambda _: _closure_needed(STAGE_STEP),

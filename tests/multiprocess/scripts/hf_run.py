@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
 import lightning_async_pp.models.hf as hf  # noqa: E402
@@ -69,6 +70,28 @@ class Recorder(Callback):
             self.val_losses.append(float(trainer.callback_metrics["val/loss"]))
 
 
+class MemoryLogger(Logger):
+    """Keeps what Lightning logs, per step (rank 0 writes it to result.json)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.setdefault(int(step), {}).update({k: float(v) for k, v in metrics.items()})
+
+
 def make_optimizer(name: str):
     if name == "adamw":
         return adamw
@@ -97,7 +120,12 @@ def build(args):
     if args.pretrained:
         from lightning_async_pp.models import CausalLM
 
-        return CausalLM(pretrained=args.pretrained, optimizer=make_optimizer(args.optimizer), lr_schedule="constant")
+        return CausalLM(
+            pretrained=args.pretrained,
+            optimizer=make_optimizer(args.optimizer),
+            lr_schedule="constant",
+            attn_implementation=args.attn_implementation,
+        )
     return tiny_causal_lm(args.family, optimizer=make_optimizer(args.optimizer))
 
 
@@ -105,6 +133,7 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--family", default="llama")
     parser.add_argument("--pretrained", default=None)
+    parser.add_argument("--attn-implementation", default="sdpa", help="with --pretrained")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=2)
@@ -120,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--save-checkpoint", action="store_true", help="trainer.save_checkpoint(DIR/final.ckpt) after fit"
     )
+    parser.add_argument("--log-metrics", action="store_true", help="log every step; result.json's 'logged'")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -137,6 +167,7 @@ def main(argv=None) -> None:
         timeout=__import__("datetime").timedelta(seconds=120),
     )
     recorder = Recorder()
+    logger = MemoryLogger() if args.log_metrics else None
     train, val = batches_for(args)
     validation = (
         dict(val_check_interval=args.val_every, check_val_every_n_epoch=None)
@@ -148,7 +179,8 @@ def main(argv=None) -> None:
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
+        logger=logger if logger is not None else False,
+        log_every_n_steps=1 if logger is not None else None,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -179,6 +211,7 @@ def main(argv=None) -> None:
             "losses": recorder.losses,
             "val_losses": recorder.val_losses,
             "aux_losses": [aux[k] for k in sorted(aux)],
+            "logged": logger.metrics if logger is not None else {},
         }
         (out / "result.json").write_text(json.dumps(result))
 

@@ -123,7 +123,7 @@ def test_import_never_needs_transformers():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(model_type="olmoe", config=dict(num_experts=4)), "mixture-of-experts model types"),
+        (dict(model_type="qwen2_moe", config=dict(CONFIGS["qwen2_moe"], mlp_only_layers=[0, 1, 2])), "no sparse layer"),
         (dict(model_type="llava"), "multimodal"),
         (dict(model_type="gpt2", config=dict(add_cross_attention=True)), "cross-attention"),
         (dict(model_type="opt"), "cannot find the decoder-only structure of model_type='opt'"),

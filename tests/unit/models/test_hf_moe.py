@@ -132,10 +132,6 @@ def test_a_checkpoint_written_as_a_save_pretrained_folder_loads_in_transformers_
 
 
 def test_mixture_of_experts_settings_the_adapter_cannot_train_are_refused():
-    with pytest.raises(
-        ValueError, match="mixture-of-experts model types mixtral, qwen2_moe, qwen3_moe, not model_type='olmoe'"
-    ):
-        CausalLM(model_type="olmoe", config=dict(num_experts=4))
     with pytest.raises(ValueError, match="no sparse layer"):
         CausalLM(model_type="qwen2_moe", config=dict(CONFIGS["qwen2_moe"], mlp_only_layers=[0, 1, 2]))
     model = materialized("mixtral")
@@ -154,7 +150,7 @@ def test_without_output_router_logits_it_trains_the_language_model_loss_alone():
     twin.load_state_dict(model.hf_state_dict())
     batch = token_batches(1, batch_size=2, seq=12)[0]
     output = run_layers(model.layers, batch["input_ids"], batch)
-    assert isinstance(output, torch.Tensor)
+    assert isinstance(output, tuple) and len(output) == 2  # the logits and the routing statistics, no totals
     torch.testing.assert_close(
         model.pipeline_loss(output, batch), twin(**batch, labels=batch["input_ids"]).loss, rtol=0, atol=1e-6
     )
