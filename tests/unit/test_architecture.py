@@ -25,21 +25,13 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 
-def type_checking_only(tree: ast.Module) -> set[ast.AST]:
-    """The import statements under ``if TYPE_CHECKING:``: a reference for the type checker, never run."""
-    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
-    return {node for block in blocks for stmt in block.body for node in ast.walk(stmt)}
-
-
-def imported(name: str, type_checking: bool = True) -> set[str]:
-    """Every module ``name`` imports, at module level or inside a function (a lazy import is a dependency too);
-    with ``type_checking=False`` not those under ``if TYPE_CHECKING:``, which never run."""
+def imported(name: str, tree: ast.Module | None = None) -> set[str]:
+    """Every module ``name`` (parsed as ``tree``, default its source) imports, at module level, inside a function
+    (a lazy import is a dependency too) or under ``if TYPE_CHECKING:`` (a type-only import ties the two modules
+    together all the same: neither can be read, checked or moved without the other)."""
     is_package = MODULES[name].name == "__init__.py"
     out = set()
-    skipped = set() if type_checking else type_checking_only(TREES[name])
-    for node in ast.walk(TREES[name]):
-        if node in skipped:
-            continue
+    for node in ast.walk(TREES[name] if tree is None else tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -56,9 +48,9 @@ def imported(name: str, type_checking: bool = True) -> set[str]:
     return out
 
 
-def internal_dependencies(name: str, type_checking: bool = True) -> set[str]:
+def internal_dependencies(name: str, tree: ast.Module | None = None) -> set[str]:
     deps = set()
-    for target in imported(name, type_checking):
+    for target in imported(name, tree):
         parts = target.split(".")
         while parts and ".".join(parts) not in MODULES:
             parts.pop()
@@ -92,9 +84,19 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_cycle():
-    # A class's typed reference back to its owner (the owner builds it) is imported for the type checker only.
-    cycles = find_cycles({name: internal_dependencies(name, type_checking=False) for name in MODULES})
+    """Type-only imports included: a helper that needs a type of its owner gets a protocol of its own instead."""
+    cycles = find_cycles({name: internal_dependencies(name) for name in MODULES})
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_a_type_only_import_is_a_dependency():
+    planted = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from lightning_async_pp.runtime.stage import StageRuntime\n"
+    )
+    deps = internal_dependencies(f"{PACKAGE}.runtime.evaluation", planted)
+    assert deps == {f"{PACKAGE}.runtime.stage"}
 
 
 @pytest.mark.parametrize(
@@ -258,7 +260,6 @@ ALLOWED_PRIVATE = {
     "_opt_called": "torch's flag that an optimizer stepped: the stage's first update comes after the scheduler's",
     "_max_depth": "Lightning's ModelSummary depth, kept by the pipeline summary that replaces it",
     "_compiled_call_impl": "torch.compile's wrapped forward, left out of the meta copy that counts FLOPs",
-    # StageRuntime's message methods, read by runtime/evaluation.py until the runtime makes them public.
 }
 
 
