@@ -403,6 +403,55 @@ def test_the_architecture_page_lists_every_module():
     assert not missing, f"docs/architecture.md's file list lacks {missing}"
 
 
+# --------------------------------------------------------------------------- tests mirror the package
+
+UNIT_TESTS = ROOT.parent / "tests" / "unit"
+
+# Unit test files that test a behaviour spread over several modules, each with its reason; the list only shrinks.
+CROSS_CUTTING_TESTS = {
+    "test_architecture.py": "the layering and size rules, read from every module",
+    "strategy/test_accumulation.py": "accumulate_grad_batches: the launch checks, the optimizer steps, one device",
+    "strategy/test_bad_input.py": "the strategy's refusals of a bad model or batch, wherever they are raised",
+    "strategy/test_lightning_pins.py": "the Lightning internals every strategy module relies on, and their bounds",
+    "strategy/test_registration.py": "the name async_pp, registered by the package's __init__ and used by the CLI",
+}
+
+
+def unnamed_modules(test_files: list[str], modules: set[str]) -> list[str]:
+    """The test files (``layer/test_x.py``, relative to ``tests/unit``) that name no module: ``layer/x.py``, or
+    ``layer/m.py`` for ``test_m_aspect.py`` (one aspect of ``m``, say ``test_muon_batched.py``). A file at the top
+    of ``tests/unit`` names a module at the top of the package. ``modules`` are paths relative to the package."""
+    out = []
+    for test in test_files:
+        folder, _, name = test.rpartition("/")
+        stem = name.removeprefix("test_").removesuffix(".py")
+        words = stem.split("_")
+        candidates = {"_".join(words[:n]) for n in range(1, len(words) + 1)}
+        if not any(f"{folder}/{c}.py".lstrip("/") in modules for c in candidates):
+            out.append(test)
+    return out
+
+
+def test_each_unit_test_file_names_the_module_it_tests():
+    """So that a reader finds a module's tests at once: ``tests/unit/<layer>/test_<module>[_<aspect>].py``."""
+    tests = sorted(str(p.relative_to(UNIT_TESTS)) for p in UNIT_TESTS.rglob("test_*.py"))
+    modules = {str(p.relative_to(ROOT)) for p in MODULES.values()}
+    offenders = [t for t in unnamed_modules(tests, modules) if t not in CROSS_CUTTING_TESTS]
+    assert not offenders, f"name each after the module it tests, or list it in CROSS_CUTTING_TESTS: {offenders}"
+    stale = sorted(set(CROSS_CUTTING_TESTS) - set(tests))
+    assert not stale, f"CROSS_CUTTING_TESTS names files that do not exist: {stale}"
+
+
+def test_the_test_naming_check_can_fail():
+    modules = {"cli.py", "optim/muon.py", "runtime/stage.py"}
+    tests = ["test_cli.py", "optim/test_muon_batched.py", "runtime/test_stage.py", "runtime/test_metrics_relay.py"]
+    assert unnamed_modules(tests + ["test_command_line.py", "optim/test_optim_muon.py"], modules) == [
+        "runtime/test_metrics_relay.py",
+        "test_command_line.py",
+        "optim/test_optim_muon.py",
+    ]
+
+
 # --------------------------------------------------------------------------- schedules as classes
 
 SCHEDULE_NAMES = ("2bw", "1f1b")  # the registry's names (tests/unit/schedule checks they are all of them)
