@@ -20,18 +20,19 @@ the first evaluation batch after training always does too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor, nn
 
 from lightning_async_pp.runtime import activations
+from lightning_async_pp.runtime.comm import Channel
 from lightning_async_pp.runtime.microbatch import batch_size_of, split_microbatches, tensors_of
 from lightning_async_pp.schedule import Op, evaluation_actions, posting_plan
 
-if TYPE_CHECKING:  # the runtime builds its evaluation: a reference back, not an import at run time
-    from lightning_async_pp.runtime.stage import StageRuntime
-
-__all__ = ["JoinedOutput", "PipelineEvaluation", "evaluation_microbatches", "signature_of"]
+__all__ = ["EvaluatedStage", "JoinedOutput", "PipelineEvaluation", "evaluation_microbatches", "signature_of"]
 
 Signature = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
@@ -104,16 +105,50 @@ class JoinedOutput:
         return activations.unflatten(self._tensors, self._spec)
 
 
+class EvaluatedStage(Protocol):
+    """What an evaluation reads of the stage it runs through, and nothing more (a
+    :class:`~lightning_async_pp.runtime.stage.StageRuntime` is one, and builds its own evaluation).
+
+    Attributes:
+        stage: The stage's index.
+        num_stages: Number of stages.
+        module: The stage's layers; run as they are, so on the newest weights.
+        inputs_fn: First stage: turns a micro-batch into the first layer's input.
+        forward_context: Context manager factory around forwards (e.g. autocast).
+        prev: The link from the previous stage (``None`` on the first stage).
+        next: The link to the next stage (``None`` on the last stage).
+        run_start: The first step of the training run in progress, ``None`` between runs (drained).
+    """
+
+    stage: int
+    num_stages: int
+    module: nn.Module
+    inputs_fn: Callable[[Any], Tensor]
+    forward_context: Callable[[], contextlib.AbstractContextManager]
+    prev: Channel | None
+    next: Channel | None
+    run_start: int | None
+
+    def receive_input(self) -> tuple[Any, activations.Spec]:
+        """The previous stage's next message, as the value it sent, and its structure."""
+
+    def output_message(self, y: Any) -> tuple[list[Tensor], activations.Spec]:
+        """``y`` as the tensors of a message to the next stage."""
+
+    def forget_layouts(self) -> None:
+        """Negotiate each link's transfer layout again with the next message, and call the stage's
+        :meth:`PipelineEvaluation.forget`."""
+
+
 class PipelineEvaluation:
     """Runs evaluation batches through one stage of a pipeline, on the stage's newest weights.
 
     Args:
-        runtime: The stage's :class:`~lightning_async_pp.runtime.stage.StageRuntime`: its layers, its links and
-            its message API (``receive_input``, ``output_message``, ``forget_layouts``).
+        stage: The stage it runs through: its position, layers and links (:class:`EvaluatedStage`).
     """
 
-    def __init__(self, runtime: StageRuntime) -> None:
-        self.runtime = runtime
+    def __init__(self, stage: EvaluatedStage) -> None:
+        self._stage = stage
         self.signature: Signature | None = None  # of the micro-batches the links' layouts were negotiated for
         self._batches = 0  # evaluation batches run: the schedule's batch index and the tag of their sends
 
@@ -125,42 +160,43 @@ class PipelineEvaluation:
     def run(self, batch: Any, num_microbatches: int) -> Any:
         """Forward ``batch`` through the stage in up to ``num_microbatches`` micro-batches; returns the whole batch's
         output on the last stage, else ``None``."""
-        rt = self.runtime
-        if rt.run_start is not None:
+        st = self._stage
+        is_first, is_last = st.stage == 0, st.stage == st.num_stages - 1
+        if st.run_start is not None:
             raise RuntimeError(
-                f"Pipeline stage {rt.stage} was asked to evaluate during a training run: call `drain()` first, so "
+                f"Pipeline stage {st.stage} was asked to evaluate during a training run: call `drain()` first, so "
                 "that no training message is in flight on its links."
             )
         count = evaluation_microbatches(batch, num_microbatches)
         microbatches = split_microbatches(batch, count)
         signature = signature_of(microbatches[0])
         if signature != self.signature:
-            rt.forget_layouts()  # every stage holds the same batch, so both ends of each link forget here
+            st.forget_layouts()  # every stage holds the same batch, so both ends of each link forget here
             self.signature = signature
         index, self._batches = self._batches, self._batches + 1
-        actions = evaluation_actions(rt.num_stages, rt.stage, index, count)
+        actions = evaluation_actions(st.num_stages, st.stage, index, count)
         plan = posting_plan(actions)
         if Op.RECV_F in plan.start:
-            rt.prev.prefetch()
+            st.prev.prefetch()
         received: dict[int, Any] = {}
-        output, joined = None, JoinedOutput(count) if rt.is_last else None
+        output, joined = None, JoinedOutput(count) if is_last else None
         for action, post_next in zip(actions, plan.post_next):
             if action.op is Op.RECV_F:
-                received[action.microbatch] = rt.receive_input()[0]
+                received[action.microbatch] = st.receive_input()[0]
                 if post_next:
-                    rt.prev.prefetch()  # the next micro-batch's transfer overlaps this one's forward
+                    st.prev.prefetch()  # the next micro-batch's transfer overlaps this one's forward
             elif action.op is Op.FORWARD:
                 microbatch = microbatches[action.microbatch]
-                x = rt.inputs_fn(microbatch) if rt.is_first else received.pop(action.microbatch)
-                with rt.forward_context():
-                    output = rt.module(x, microbatch)
+                x = st.inputs_fn(microbatch) if is_first else received.pop(action.microbatch)
+                with st.forward_context():
+                    output = st.module(x, microbatch)
                 if joined is not None:
                     joined.add(action.microbatch, output)
             else:
-                rt.next.send(rt.output_message(output)[0], post_recv=post_next, tag=index)
+                st.next.send(st.output_message(output)[0], post_recv=post_next, tag=index)
         if joined is None:
             # On gloo a send is let go only by a wait; the previous batch's have long been received.
-            rt.next.wait_sends(through=index - 1)
+            st.next.wait_sends(through=index - 1)
             return None
         return joined.result()
 

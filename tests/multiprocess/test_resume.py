@@ -1,4 +1,4 @@
-"""Checkpoints restore the exact trajectory (damaged or mismatched ones: tests/unit/checkpoint/test_checkpoint.py)."""
+"""Checkpoints restore the exact trajectory (damaged or mismatched ones: tests/unit/checkpoint/test_io.py)."""
 
 import pytest
 import torch

@@ -25,21 +25,13 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 
-def type_checking_only(tree: ast.Module) -> set[ast.AST]:
-    """The import statements under ``if TYPE_CHECKING:``: a reference for the type checker, never run."""
-    blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
-    return {node for block in blocks for stmt in block.body for node in ast.walk(stmt)}
-
-
-def imported(name: str, type_checking: bool = True) -> set[str]:
-    """Every module ``name`` imports, at module level or inside a function (a lazy import is a dependency too);
-    with ``type_checking=False`` not those under ``if TYPE_CHECKING:``, which never run."""
+def imported(name: str, tree: ast.Module | None = None) -> set[str]:
+    """Every module ``name`` (parsed as ``tree``, default its source) imports, at module level, inside a function
+    (a lazy import is a dependency too) or under ``if TYPE_CHECKING:`` (a type-only import ties the two modules
+    together all the same: neither can be read, checked or moved without the other)."""
     is_package = MODULES[name].name == "__init__.py"
     out = set()
-    skipped = set() if type_checking else type_checking_only(TREES[name])
-    for node in ast.walk(TREES[name]):
-        if node in skipped:
-            continue
+    for node in ast.walk(TREES[name] if tree is None else tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -56,9 +48,9 @@ def imported(name: str, type_checking: bool = True) -> set[str]:
     return out
 
 
-def internal_dependencies(name: str, type_checking: bool = True) -> set[str]:
+def internal_dependencies(name: str, tree: ast.Module | None = None) -> set[str]:
     deps = set()
-    for target in imported(name, type_checking):
+    for target in imported(name, tree):
         parts = target.split(".")
         while parts and ".".join(parts) not in MODULES:
             parts.pop()
@@ -92,9 +84,19 @@ def find_cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_cycle():
-    # A class's typed reference back to its owner (the owner builds it) is imported for the type checker only.
-    cycles = find_cycles({name: internal_dependencies(name, type_checking=False) for name in MODULES})
+    """Type-only imports included: a helper that needs a type of its owner gets a protocol of its own instead."""
+    cycles = find_cycles({name: internal_dependencies(name) for name in MODULES})
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_a_type_only_import_is_a_dependency():
+    planted = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from lightning_async_pp.runtime.stage import StageRuntime\n"
+    )
+    deps = internal_dependencies(f"{PACKAGE}.runtime.evaluation", planted)
+    assert deps == {f"{PACKAGE}.runtime.stage"}
 
 
 @pytest.mark.parametrize(
@@ -258,7 +260,6 @@ ALLOWED_PRIVATE = {
     "_opt_called": "torch's flag that an optimizer stepped: the stage's first update comes after the scheduler's",
     "_max_depth": "Lightning's ModelSummary depth, kept by the pipeline summary that replaces it",
     "_compiled_call_impl": "torch.compile's wrapped forward, left out of the meta copy that counts FLOPs",
-    # StageRuntime's message methods, read by runtime/evaluation.py until the runtime makes them public.
 }
 
 
@@ -400,6 +401,55 @@ def test_the_architecture_page_lists_every_module():
     listed = set(re.findall(r"^ *([\w.]+\.py) ", listing, re.M))
     missing = [name for name, path in MODULES.items() if path.name != "__init__.py" and path.name not in listed]
     assert not missing, f"docs/architecture.md's file list lacks {missing}"
+
+
+# --------------------------------------------------------------------------- tests mirror the package
+
+UNIT_TESTS = ROOT.parent / "tests" / "unit"
+
+# Unit test files that test a behaviour spread over several modules, each with its reason; the list only shrinks.
+CROSS_CUTTING_TESTS = {
+    "test_architecture.py": "the layering and size rules, read from every module",
+    "strategy/test_accumulation.py": "accumulate_grad_batches: the launch checks, the optimizer steps, one device",
+    "strategy/test_bad_input.py": "the strategy's refusals of a bad model or batch, wherever they are raised",
+    "strategy/test_lightning_pins.py": "the Lightning internals every strategy module relies on, and their bounds",
+    "strategy/test_registration.py": "the name async_pp, registered by the package's __init__ and used by the CLI",
+}
+
+
+def unnamed_modules(test_files: list[str], modules: set[str]) -> list[str]:
+    """The test files (``layer/test_x.py``, relative to ``tests/unit``) that name no module: ``layer/x.py``, or
+    ``layer/m.py`` for ``test_m_aspect.py`` (one aspect of ``m``, say ``test_muon_batched.py``). A file at the top
+    of ``tests/unit`` names a module at the top of the package. ``modules`` are paths relative to the package."""
+    out = []
+    for test in test_files:
+        folder, _, name = test.rpartition("/")
+        stem = name.removeprefix("test_").removesuffix(".py")
+        words = stem.split("_")
+        candidates = {"_".join(words[:n]) for n in range(1, len(words) + 1)}
+        if not any(f"{folder}/{c}.py".lstrip("/") in modules for c in candidates):
+            out.append(test)
+    return out
+
+
+def test_each_unit_test_file_names_the_module_it_tests():
+    """So that a reader finds a module's tests at once: ``tests/unit/<layer>/test_<module>[_<aspect>].py``."""
+    tests = sorted(str(p.relative_to(UNIT_TESTS)) for p in UNIT_TESTS.rglob("test_*.py"))
+    modules = {str(p.relative_to(ROOT)) for p in MODULES.values()}
+    offenders = [t for t in unnamed_modules(tests, modules) if t not in CROSS_CUTTING_TESTS]
+    assert not offenders, f"name each after the module it tests, or list it in CROSS_CUTTING_TESTS: {offenders}"
+    stale = sorted(set(CROSS_CUTTING_TESTS) - set(tests))
+    assert not stale, f"CROSS_CUTTING_TESTS names files that do not exist: {stale}"
+
+
+def test_the_test_naming_check_can_fail():
+    modules = {"cli.py", "optim/muon.py", "runtime/stage.py"}
+    tests = ["test_cli.py", "optim/test_muon_batched.py", "runtime/test_stage.py", "runtime/test_metrics_relay.py"]
+    assert unnamed_modules(tests + ["test_command_line.py", "optim/test_optim_muon.py"], modules) == [
+        "runtime/test_metrics_relay.py",
+        "test_command_line.py",
+        "optim/test_optim_muon.py",
+    ]
 
 
 # --------------------------------------------------------------------------- schedules as classes

@@ -1,4 +1,4 @@
-"""Trains the tiny GPT on stages with Lightning's ModelCheckpoint, for tests/unit/checkpoint/test_checkpoint.py.
+"""Trains the tiny GPT on stages with Lightning's ModelCheckpoint, for tests/unit/checkpoint/test_io.py.
 
     python -m tests.multiprocess.scripts.checkpoint_run --devices 2 --out DIR [--async-io] [--dcp-async]
 

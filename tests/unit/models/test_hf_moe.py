@@ -22,7 +22,7 @@ from tests.fixtures.hf_models import (  # noqa: E402
     tiny_causal_lm,
     token_batches,  # noqa: E402
 )
-from tests.unit.models.test_hf_models import (  # noqa: E402
+from tests.unit.models.test_hf import (  # noqa: E402
     assert_same_weights,
     hf_twin,
     materialized,

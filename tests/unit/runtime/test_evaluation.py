@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_async_pp.runtime.evaluation import JoinedOutput, evaluation_microbatches, signature_of
+from lightning_async_pp.runtime.evaluation import EvaluatedStage, JoinedOutput, evaluation_microbatches, signature_of
 from lightning_async_pp.runtime.stage import StageRuntime
+from tests.unit.runtime.test_stage import middle_stage
 
 
 @pytest.mark.parametrize(
@@ -132,3 +133,18 @@ def test_evaluation_during_a_training_run_asks_for_a_drain():
     batch = torch.randn(6, 4)
     with torch.no_grad():
         torch.testing.assert_close(runtime.evaluate(batch), layer(batch), rtol=1e-6, atol=1e-6)  # the newest weights
+
+
+def protocol_members(protocol: type) -> set[str]:
+    """The attributes and methods a protocol declares."""
+    methods = {name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")}
+    return set(protocol.__annotations__) | methods
+
+
+def test_a_stage_runtime_has_every_member_an_evaluation_reads():
+    """A StageRuntime builds its evaluation with itself as the :class:`EvaluatedStage`: a member renamed on one side
+    fails here, in one process, rather than in a multi-stage run."""
+    members = protocol_members(EvaluatedStage)
+    assert {"stage", "num_stages", "prev", "run_start", "receive_input", "forget_layouts"} <= members
+    runtime = middle_stage()
+    assert sorted(m for m in members if not hasattr(runtime, m)) == []

@@ -14,7 +14,7 @@ from lightning_async_pp.reference import DelayedWeights
 from lightning_async_pp.strategy.launch import check_train_loader
 from lightning_async_pp.strategy.optimizer_steps import needs_closure
 from tests.fixtures.helpers import fit, random_batches, tiny_gpt
-from tests.unit.strategy.test_prelaunch_errors import _loader
+from tests.unit.strategy.test_launch import _loader
 
 
 def sgd(params):

@@ -17,7 +17,7 @@ from lightning_async_pp.optim.muon import newton_schulz_dtype
 @pytest.fixture(autouse=True)
 def torch_precision():
     # These tests check the plumbing against torch.optim.Muon, whose Newton-Schulz runs in bfloat16; Muon's
-    # "auto" picks float32 on CPU (tests/unit/optim/test_optim_muon_precision.py).
+    # "auto" picks float32 on CPU (tests/unit/optim/test_muon_precision.py).
     with newton_schulz_dtype("bfloat16"):
         yield
 

@@ -1,39 +1,15 @@
-"""The runtime layer stands on torch alone: no module imports Lightning, and batches are walked locally."""
+"""Batches walked locally, on torch alone: any structure of tensors is mapped and split into micro-batches
+(the runtime's import rule, no Lightning, is checked by tests/unit/test_architecture.py)."""
 
 from __future__ import annotations
 
-import ast
 import collections
 import dataclasses
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-import lightning_async_pp.runtime as runtime_package
 from lightning_async_pp.runtime.microbatch import map_tensors, split_microbatches, tensors_of
-
-RUNTIME = Path(runtime_package.__file__).parent
-
-
-def _imported_modules(path: Path) -> set[str]:
-    modules = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            modules.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules.add(node.module)
-    return modules
-
-
-def test_no_runtime_module_imports_lightning():
-    sources = sorted(RUNTIME.rglob("*.py"))
-    assert len(sources) > 5
-    offending = {
-        str(path.relative_to(RUNTIME)): sorted(m for m in _imported_modules(path) if m.split(".")[0] == "lightning")
-        for path in sources
-    }
-    assert {k: v for k, v in offending.items() if v} == {}
 
 
 class Pair(NamedTuple):

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_async_pp.optim import DelayCorrected, Muon
 from lightning_async_pp.optim.newton_schulz import newton_schulz_dtype
 
-EXPERTS, HIDDEN, INNER = 3, 16, 24  # each matrix has at least 16 rows as iterated (see test_optim_muon_batched)
+EXPERTS, HIDDEN, INNER = 3, 16, 24  # each matrix has at least 16 rows as iterated (see test_muon_batched)
 HYPERPARAMETERS = dict(lr=0.02, weight_decay=0.05, momentum=0.9, nesterov=True)
 
 

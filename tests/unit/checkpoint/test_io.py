@@ -119,7 +119,7 @@ def test_corrupt_shard_content_is_named(tmp_path):
 def test_crafted_index_is_not_unpickled_on_resume(tmp_path, resume):
     """A checkpoint folder whose index calls os.system through a dotted name, given as ``ckpt_path`` or planted
     where SLURM's auto-resume looks (``hpc_ckpt_1.ckpt`` in the root folder, ``ckpt_path="hpc"``)."""
-    from tests.unit.checkpoint.test_safe_index import _crafted
+    from tests.unit.checkpoint.test_safe import _crafted
 
     path = tmp_path / "hpc_ckpt_1.ckpt"
     path.mkdir()
