@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.checkpoint.layout import META_FILE, SHARD_KEY, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.safe import regular_checkpoint_file
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu, use_device
 from lightning_async_pp.files import fsync
 
@@ -149,7 +150,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 raise FileNotFoundError(
                     f"{path} is not a complete checkpoint ({META_FILE} is missing). Resume from another checkpoint."
                 )
-            path = path / META_FILE
+            path = regular_checkpoint_file(path / META_FILE)
         try:
             return self.metadata_io.load_checkpoint(path, map_location=map_location, weights_only=True)
         except FileNotFoundError:

@@ -58,6 +58,7 @@ from lightning_async_pp.checkpoint.index_check import (
     check_shard_files,
     checked_index,
     open_regular,
+    regular_file,
     type_name,
 )
 
@@ -397,6 +398,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     @override
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def regular_checkpoint_file(path: _PATH) -> Path:
+    """``path``, a file of a checkpoint directory (``meta.pt``), if it is a regular file: a link in a checkpoint is
+    never followed, a device or FIFO never read.
+
+    Raises:
+        RuntimeError: If ``path`` is anything but a regular file.
+    """
+    path = Path(path)
+    try:
+        regular_file(path)
+    except UnsafeIndexError as error:
+        raise RuntimeError(
+            f"Refused to read the checkpoint {path.parent}: it {error}. Nothing from it was read; the folder is "
+            "damaged or crafted. Resume from a checkpoint this strategy wrote."
+        ) from None
+    return path
 
 
 def read_index(path: _PATH) -> Metadata:
