@@ -346,8 +346,9 @@ _FIELD_NAMES = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls 
 def _read_index_file(path: Path) -> Metadata:
     """The checked index of the checkpoint ``path``: ``.metadata`` read as a regular file of bounded size."""
     with open_regular(path / ".metadata") as f:
-        data = f.read(MAX_INDEX_BYTES + 1)
-    if len(data) > MAX_INDEX_BYTES:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(size + 1) if size <= MAX_INDEX_BYTES else b""
+    if size > MAX_INDEX_BYTES or len(data) > MAX_INDEX_BYTES:
         raise UnsafeIndexError(
             f"is larger than {MAX_INDEX_BYTES // 2**20} MiB, more than any index this strategy writes"
         )
