@@ -211,6 +211,10 @@ def _current_folder_importable() -> None:
         # Lightning starts the other ranks as `python -m ...` without this interpreter's flags: the environment
         # carries -P to them.
         os.environ["PYTHONSAFEPATH"] = "1"
+    if sys.flags.isolated:
+        # -I is -E -P -s: the ranks get -s through the environment, and no PYTHONPATH, which this process ignored.
+        os.environ["PYTHONNOUSERSITE"] = "1"
+        os.environ.pop("PYTHONPATH", None)
 
 
 def default_pretrained_dir(out: str | os.PathLike) -> Path:
@@ -244,6 +248,11 @@ def consolidate_main(argv: list[str]) -> None:
     pretrained_dir = None
     if TRANSFORMERS_KEY in meta:
         pretrained_dir = args.pretrained_dir or default_pretrained_dir(args.out)
+        if args.pretrained_dir is None and os.path.lexists(pretrained_dir):
+            parser.error(
+                f"{pretrained_dir} exists: consolidate writes its save_pretrained folder there by default and does "
+                "not replace a folder nobody named. Move it, or name it with --pretrained-dir to write into it."
+            )
     elif args.pretrained_dir is not None:
         parser.error(
             f"{args.checkpoint_dir} was not saved by lightning_async_pp.models.CausalLM: --pretrained-dir "
