@@ -290,3 +290,29 @@ def test_a_real_index_reads_as_pickle_reads_it(written):
     index, expected = read_index(written[0]), _index(written[0])
     assert index.state_dict_metadata == expected.state_dict_metadata
     assert index.storage_data == expected.storage_data and type(index.storage_data) is dict
+
+
+# --- the same checks on resume (fit --ckpt_path) ------------------------------------------------------------
+
+
+def test_a_resume_from_a_folder_without_its_shard_reads_nothing_of_another_run(crafted, written):
+    """The attack on ``fit --ckpt_path``: an index whose entries point at another run's shard, hidden from the
+    checks by attributes of its OrderedDict, in a folder that holds no shard at all."""
+    from lightning_async_pp import AsyncPipelineStrategy
+    from tests.fixtures.helpers import fit, random_batches, tiny_gpt
+
+    global _OPENED
+    index = _index(crafted)
+    index.storage_data = _OrderedDictWithState(_storage_to(index, str(written[1] / "__0_0.distcp")))
+    _write(crafted, pickle.dumps(index))
+    (crafted / "__0_0.distcp").unlink()
+    model = tiny_gpt(n_layer=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _OPENED = []
+    try:
+        with pytest.raises(RuntimeError, match="sets attributes of a OrderedDict"):
+            fit(model, random_batches(4), strategy=AsyncPipelineStrategy(num_microbatches=2), ckpt_path=str(crafted))
+    finally:
+        opened, _OPENED = _OPENED, None
+    assert not [p for p in opened if str(written[1]) in p]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

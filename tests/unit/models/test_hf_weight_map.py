@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -56,3 +57,21 @@ def test_an_index_that_points_outside_its_folder_is_refused(folders, tmp_path, m
     with pytest.raises(ValueError, match=r"not a file name in .*crafted: an index names the safetensors files next"):
         CausalLM(pretrained=str(crafted), lr_schedule="constant").configure_model()
     assert str(outside) not in opened and not any("elsewhere" in f for f in opened)
+
+
+def test_consolidate_does_not_replace_an_hf_folder_nobody_named(tmp_path, capsys):
+    """``consolidate`` of a CausalLM checkpoint writes ``<out>-hf`` by default: never over an existing folder."""
+    from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
+    from lightning_async_pp.cli import main
+
+    folder = tmp_path / "model.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"")  # refused before it is read
+    torch.save({TRANSFORMERS_KEY: {"config": "{}", "names": {}}}, folder / "meta.pt")
+    existing = tmp_path / "out-hf"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("keep")
+    with pytest.raises(SystemExit) as exit_:
+        main(["consolidate", str(folder), str(tmp_path / "out.ckpt")])
+    assert exit_.value.code == 2 and "out-hf exists" in capsys.readouterr().err
+    assert [p.name for p in existing.iterdir()] == ["mine.txt"] and not (tmp_path / "out.ckpt").exists()
