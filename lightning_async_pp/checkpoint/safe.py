@@ -111,6 +111,17 @@ MAX_INDEX_BYTES = 256 * 2**20
 """The largest ``.metadata`` read (an index of a 10B-parameter model is a few MB)."""
 
 
+_MEM_FORMAT = _INDEX_CLASSES[(dcp_metadata.__name__, "_MEM_FORMAT_ENCODING")]
+
+
+class _Done(Exception):
+    """The end of the pickle (``STOP``), carrying what it built."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
 class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Reads DCP's ``.metadata`` allowing only its own classes (see the module's docstring).
 
@@ -142,8 +153,11 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
                 if not key:
                     raise EOFError
                 dispatch[key[0]](self)
-        except pickle._Stop as stop:  # type: ignore[attr-defined]
-            return stop.value
+        except _Done as done:
+            return done.value
+
+    def _load_stop(self) -> None:
+        raise _Done(self.stack.pop())
 
     def _load_frame(self) -> None:
         if len(self.read(8)) != 8:
@@ -268,6 +282,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _load_extension(self) -> None:
         raise UnsafeIndexError("refers to a class through copyreg's extension registry, which an index never does")
 
+    dispatch[pickle.STOP[0]] = _load_stop
     dispatch[pickle.FRAME[0]] = _load_frame
     dispatch[pickle.REDUCE[0]] = _load_reduce
     dispatch[pickle.NEWOBJ[0]] = _load_newobj
@@ -312,7 +327,7 @@ def _properties_state(state: Any) -> bool:
         and isinstance(state[0], torch.dtype)
         and isinstance(state[1], torch.layout)
         and type(state[2]) is bool
-        and type(state[3]) is dcp_metadata._MEM_FORMAT_ENCODING
+        and type(state[3]) is _MEM_FORMAT
         and type(state[4]) is bool
     )
 
@@ -330,7 +345,7 @@ _TAKES: dict[Any, Any] = {
     frozenset: _sets,
     OrderedDict: lambda args: args == (),
     _get_layout: _one(str),
-    dcp_metadata._MEM_FORMAT_ENCODING: _one(int),
+    _MEM_FORMAT: _one(int),
     torch.Size: lambda args: args == () or (len(args) == 1 and type(args[0]) in (tuple, list)),
     **{cls: (lambda args: all(type(a) is str for a in args)) for cls in _PATHS.values()},
     **{cls: (lambda args: True) for cls in _DATACLASSES},  # their fields are checked by checked_index
