@@ -52,15 +52,18 @@ def type_name(obj: Any) -> str:
 
 
 def _fields(obj: Any, cls: type) -> dict[str, Any]:
-    """The dataclass fields of ``obj`` (exactly a ``cls``), defaults filled in; nothing else may be set."""
+    """The dataclass fields of ``obj`` (exactly a ``cls``), defaults filled in.
+
+    The unpickler gives a dataclass no attribute but its fields, so all of them set means exactly them.
+    """
     if type(obj) is not cls:
         raise UnsafeIndexError(f"holds {type_name(obj)} where a {cls.__name__} belongs")
     values = vars(obj)
     names, defaults = _FIELDS[cls]
+    if len(values) == len(names) and values.keys() == names:
+        return values
     if not values.keys() <= names:
         raise UnsafeIndexError(f"holds a {cls.__name__} with attributes that are not its fields")
-    if len(values) == len(names):
-        return values
     out = {**defaults, **values}
     missing = names - out.keys()
     if missing:
@@ -103,20 +106,11 @@ def _size(obj: Any, what: str, ndim: int | None = None) -> torch.Size:
     return obj
 
 
-def _is_int(obj: Any) -> bool:
-    return type(obj) is int and obj >= 0
-
-
 def _properties(obj: Any, fqn: str) -> TensorProperties:
-    f = _fields(obj, TensorProperties)
-    if not (
-        isinstance(f["dtype"], torch.dtype)
-        and isinstance(f["layout"], torch.layout)
-        and isinstance(f["memory_format"], torch.memory_format)
-        and type(f["requires_grad"]) is bool
-        and type(f["pin_memory"]) is bool
-    ):
-        raise UnsafeIndexError(f"holds properties of {fqn!r} that are not a dtype, layout and flags")
+    """Its type only: the unpickler creates ``TensorProperties`` with its defaults and sets them only from the
+    5-tuple ``__getstate__`` writes, checked type by type."""
+    if type(obj) is not TensorProperties:
+        raise UnsafeIndexError(f"holds {type_name(obj)} as the properties of {fqn!r}")
     return obj
 
 
@@ -173,18 +167,24 @@ def plain_file_name(name: Any) -> bool:
 
 def _storage(key: Any, value: Any) -> tuple[str, torch.Size | None]:
     """The name and offset that ``key`` stands for, if it and its storage entry ``value`` are what DCP writes."""
-    k = _fields(key, MetadataIndex)
-    if type(k["fqn"]) is not str or not (k["index"] is None or _is_int(k["index"])):
+    if type(key) is not MetadataIndex or type(value) is not _StorageInfo:
+        raise UnsafeIndexError(f"holds {type_name(key)} and {type_name(value)} as a storage key and entry")
+    k, v = vars(key), vars(value)  # the unpickler sets no other attributes than their fields
+    fqn, offset, index = k.get("fqn"), k.get("offset"), k.get("index")
+    if (
+        type(fqn) is not str
+        or not (index is None or (type(index) is int and index >= 0))
+        or not (offset is None or (type(offset) is torch.Size and min(offset, default=0) >= 0))
+    ):
         raise UnsafeIndexError("has a storage key that is not a name, offset and index")
-    offset = None if k["offset"] is None else _size(k["offset"], f"storage offset of {k['fqn']!r}")
-    v = _fields(value, _StorageInfo)
-    if not plain_file_name(v["relative_path"]):
+    start, length = v.get("offset"), v.get("length")
+    if not plain_file_name(v.get("relative_path")):
         raise UnsafeIndexError("names a shard file that is not a plain file name in the checkpoint")
-    if not (_is_int(v["offset"]) and _is_int(v["length"])):
-        raise UnsafeIndexError(f"gives {k['fqn']!r} a storage offset or length that is not a non-negative integer")
+    if not (type(start) is int and start >= 0 and type(length) is int and length >= 0):
+        raise UnsafeIndexError(f"gives {fqn!r} a storage offset or length that is not a non-negative integer")
     if v.get("transform_descriptors") is not None:
-        raise UnsafeIndexError(f"gives {k['fqn']!r} storage transforms (compression), which this strategy never writes")
-    return k["fqn"], offset
+        raise UnsafeIndexError(f"gives {fqn!r} storage transforms (compression), which this strategy never writes")
+    return fqn, offset
 
 
 def _check_storage(entries: dict[str, Any], storage: dict[MetadataIndex, _StorageInfo]) -> None:

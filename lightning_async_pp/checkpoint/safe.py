@@ -348,7 +348,7 @@ _TAKES: dict[Any, Any] = {
     _MEM_FORMAT: _one(int),
     torch.Size: lambda args: args == () or (len(args) == 1 and type(args[0]) in (tuple, list)),
     **{cls: (lambda args: all(type(a) is str for a in args)) for cls in _PATHS.values()},
-    **{cls: (lambda args: True) for cls in _DATACLASSES},  # their fields are checked by checked_index
+    **{cls: (lambda args: args == ()) for cls in _DATACLASSES},  # fields come as state, checked
 }
 _ARGUMENTS = {id(function): (function, takes) for function, takes in _TAKES.items()}
 """What the index may call (the constructors of its classes and the layout look-up, by identity) and the
