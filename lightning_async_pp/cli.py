@@ -18,6 +18,7 @@ configuration would hold and how fast the schedules would run, without starting 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import pickle
@@ -28,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -36,6 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_async_pp import AsyncPipelineStrategy  # registers strategy="async_pp" too
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY, ShardedCheckpointIO, consolidate
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
+from lightning_async_pp.checkpoint.hparams import CheckpointHyperparametersError, check_hyperparameters
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.strategy.topology import check_process_count
 
@@ -135,10 +138,34 @@ class AsyncPipelineCLI(LightningCLI):
                 refuse(str(error))
 
     def _parse_ckpt_path(self) -> None:
+        """Lightning's merge of a checkpoint file's hyperparameters into the configuration, limited to arguments
+        of the configured model class (:func:`~lightning_async_pp.checkpoint.hparams.check_hyperparameters`)."""
+        path = self._ckpt_path()
+        if not path or not Path(path).is_file():
+            return
         try:
-            super()._parse_ckpt_path()
+            checkpoint = torch.load(path, weights_only=True, map_location="cpu")
         except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-            refuse(unreadable_checkpoint_message(str(self._ckpt_path()), error))
+            refuse(unreadable_checkpoint_message(str(path), error))
+        hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
+        if not isinstance(hparams, dict):
+            refuse(
+                f"ckpt_path={path!r} holds hyperparameters that are not a dict. Resume from a checkpoint this "
+                "strategy wrote."
+            )
+        hparams = {k: v for k, v in hparams.items() if k != "_instantiator"}
+        if not hparams:
+            return
+        subcommand = self.config.subcommand
+        model = self.config[subcommand]["model"]
+        cls, names, configured = _configured_model(model)
+        try:
+            hparams = check_hyperparameters(hparams, cls, names, configured, str(path))
+        except CheckpointHyperparametersError as error:
+            refuse(str(error))
+        if hparams:
+            update = {"class_path": model["class_path"], "init_args": hparams}
+            self.config = self.parser.parse_object({subcommand: {"model": update}}, self.config)
 
     def _ckpt_path(self) -> str | None:
         subcommand = self.config.get("subcommand")
@@ -151,6 +178,17 @@ class AsyncPipelineCLI(LightningCLI):
                 f"\nTensorBoard logs: {logger.log_dir}\nView them with: tensorboard --logdir {logger.save_dir}",
                 flush=True,
             )
+
+
+def _configured_model(model: Any) -> tuple[type, set[str], dict[str, Any]]:
+    """The configured model class (``model``: the parsed ``--model``), the names that stand for it, and its
+    configured arguments as plain values."""
+    class_path = model["class_path"]
+    module, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)  # the configuration's own class, imported when parsed
+    init_args = model.get("init_args")
+    configured = init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args or {})
+    return cls, {class_path, f"{cls.__module__}.{cls.__qualname__}"}, configured
 
 
 def importable_path(path: Sequence[str], cwd: str, safe_path: bool) -> list[str]:
@@ -173,6 +211,10 @@ def _current_folder_importable() -> None:
         # Lightning starts the other ranks as `python -m ...` without this interpreter's flags: the environment
         # carries -P to them.
         os.environ["PYTHONSAFEPATH"] = "1"
+    if sys.flags.isolated:
+        # -I is -E -P -s: the ranks get -s through the environment, and no PYTHONPATH, which this process ignored.
+        os.environ["PYTHONNOUSERSITE"] = "1"
+        os.environ.pop("PYTHONPATH", None)
 
 
 def default_pretrained_dir(out: str | os.PathLike) -> Path:
@@ -206,6 +248,11 @@ def consolidate_main(argv: list[str]) -> None:
     pretrained_dir = None
     if TRANSFORMERS_KEY in meta:
         pretrained_dir = args.pretrained_dir or default_pretrained_dir(args.out)
+        if args.pretrained_dir is None and os.path.lexists(pretrained_dir):
+            parser.error(
+                f"{pretrained_dir} exists: consolidate writes its save_pretrained folder there by default and does "
+                "not replace a folder nobody named. Move it, or name it with --pretrained-dir to write into it."
+            )
     elif args.pretrained_dir is not None:
         parser.error(
             f"{args.checkpoint_dir} was not saved by lightning_async_pp.models.CausalLM: --pretrained-dir "

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 @contextlib.contextmanager
@@ -17,20 +18,39 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     renamed file holds the new content: it is flushed to disk before the rename, and the folder after it (where
     the file system allows). The temporary file is created empty, under a name of its own
     (``.{name}.{random}.partial``: hidden, so that a listing of the folder does not pick it up, and unique, so
-    that two writers of ``path`` never write into one file); after an error it is removed.
+    that two writers of ``path`` never write into one file); after an error it is removed. Prefer
+    :func:`atomic_file`, which writes through the file created rather than reopening it by name.
 
     Args:
         path: The file to write. Its folder is created if missing.
     """
+    with _committed(path) as (temporary, fd):
+        os.close(fd)
+        yield temporary
+        fsync(temporary)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """As :func:`atomic_path`, but the temporary file is given open for writing (binary): it is written through
+    the file created, never reopened by name (where something else could have been put meanwhile)."""
+    with _committed(path) as (_, fd), os.fdopen(fd, "wb") as file:
+        yield file
+        file.flush()
+        os.fsync(file.fileno())
+
+
+@contextlib.contextmanager
+def _committed(path: str | os.PathLike) -> Iterator[tuple[Path, int]]:
+    """A new temporary sibling of ``path`` and its open descriptor; renamed to ``path`` after the block."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     # Created exclusively (never an existing file or link), with the permissions of any new file (mkstemp's
     # would be 0600, and the renamed file would keep them).
-    os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o666)
     try:
-        yield temporary
-        fsync(temporary)
+        yield temporary, fd
         os.replace(temporary, path)
         fsync(path.parent)
     finally:
@@ -38,9 +58,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through :func:`atomic_path`; returns ``path``."""
-    with atomic_path(path) as temporary:
-        temporary.write_text(text)
+    """Write ``text`` to ``path`` through :func:`atomic_file`; returns ``path``."""
+    with atomic_file(path) as file:
+        file.write(text.encode())
     return Path(path)
 
 

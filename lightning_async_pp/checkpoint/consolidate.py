@@ -23,7 +23,7 @@ from lightning_async_pp.checkpoint.safe import (
     read_index,
     shard_files,
 )
-from lightning_async_pp.files import atomic_path
+from lightning_async_pp.files import atomic_file
 
 
 def read_tensors(checkpoint_dir: _PATH, prefix: str = "") -> dict[str, Tensor]:
@@ -82,6 +82,6 @@ def consolidate(checkpoint_dir: _PATH, out: _PATH) -> dict[str, Any]:
         "num_stages": info.get("num_stages"),
         "schedule": info.get("schedule"),
     }
-    with atomic_path(out) as temporary:
-        torch.save(meta, temporary)
+    with atomic_file(out) as file:
+        torch.save(meta, file)
     return meta

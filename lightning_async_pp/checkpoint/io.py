@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_async_pp.checkpoint.compat import check_checkpoint_path
 from lightning_async_pp.checkpoint.layout import FILE_ORDER_KEY, META_FILE, SHARD_KEY, is_sharded_checkpoint
+from lightning_async_pp.checkpoint.safe import regular_checkpoint_file
 from lightning_async_pp.checkpoint.single_file import read_entries, single_file_checkpoint
 from lightning_async_pp.checkpoint.snapshot import snapshot_to_cpu, use_device
 from lightning_async_pp.files import fsync
@@ -184,7 +185,7 @@ class ShardedCheckpointIO(CheckpointIO):
                     raise FileNotFoundError(
                         f"{path} is not a complete checkpoint ({META_FILE} is missing). Resume from another checkpoint."
                     )
-                path = path / META_FILE
+                path = regular_checkpoint_file(path / META_FILE)
         where = {} if map_location is None else {"map_location": map_location}
         weights_only = True if weights_only is None else weights_only
         try:

@@ -24,6 +24,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor, nn
 
 from lightning_async_pp.checkpoint import TRANSFORMERS_KEY
+from lightning_async_pp.checkpoint.index_check import plain_file_name
 from lightning_async_pp.meta import MetaLayers
 from lightning_async_pp.models.compiling import CompileOption, compile_blocks
 from lightning_async_pp.models.data import refuse_custom_code
@@ -63,6 +64,32 @@ SAFETENSORS_SINGLE = "model.safetensors"
 # --- checkpoint files -----------------------------------------------------------------------------------
 
 
+MAX_INDEX_BYTES = 64 * 2**20
+"""The largest ``model.safetensors.index.json`` read (a 400B-parameter model's is a few MB)."""
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index: tensor names to file names in the index's folder.
+
+    Raises:
+        ValueError: If a file is given as a path (a folder, ``..``, an absolute path) rather than a plain name in
+            the folder, or the index is not such a map: a folder's index never reaches another file.
+    """
+    with open(index, "rb") as f:
+        text = f.read(MAX_INDEX_BYTES + 1)
+    weight_map = json.loads(text).get("weight_map") if len(text) <= MAX_INDEX_BYTES else None
+    if type(weight_map) is not dict or not all(type(k) is str for k in weight_map):
+        raise ValueError(f"{index} is not a safetensors index: it needs a `weight_map` of tensor names to files.")
+    for name, file in weight_map.items():
+        if not plain_file_name(file):
+            shown = file[:200] if type(file) is str else f"a {type(file).__name__}"
+            raise ValueError(
+                f"{index} maps {name[:200]!r} to {shown!r}, which is not a file name in {index.parent}: an index "
+                "names the safetensors files next to it. Use a folder written by `save_pretrained`."
+            )
+    return weight_map
+
+
 class SafetensorsFolder:
     """Lazy, per-key access to the safetensors files of a ``save_pretrained`` folder.
 
@@ -74,7 +101,7 @@ class SafetensorsFolder:
         self.folder = Path(folder)
         index = self.folder / SAFETENSORS_INDEX
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self.weight_map: dict[str, str] = _weight_map(index)
         elif (self.folder / SAFETENSORS_SINGLE).is_file():
             with safe_open(str(self.folder / SAFETENSORS_SINGLE), framework="pt") as f:
                 self.weight_map = {key: SAFETENSORS_SINGLE for key in f.keys()}

@@ -374,7 +374,9 @@ def _run_proof(narrow: Any, cut: Cut) -> str | None:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(narrow, attn_implementation=narrow._attn_implementation)
+            model = AutoModelForCausalLM.from_config(
+                narrow, attn_implementation=narrow._attn_implementation, trust_remote_code=False
+            )
         model = model.to(PROOF_DTYPE).eval()
         _randomize(model)
         layers, objective = cut(model)

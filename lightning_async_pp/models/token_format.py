@@ -31,6 +31,23 @@ def smallest_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
+HEADER_LIMIT = 1 << 20
+"""The most bytes of a token file's header read (one is a few hundred bytes)."""
+
+
+def read_header_text(header: Path) -> str:
+    """The text of the header file ``header``, at most :data:`HEADER_LIMIT` bytes of it.
+
+    Raises:
+        ValueError: If it is longer: not a header this package wrote.
+    """
+    with open(header, "rb") as file:
+        data = file.read(HEADER_LIMIT + 1)
+    if len(data) > HEADER_LIMIT:
+        raise ValueError(f"{header} is larger than {HEADER_LIMIT} bytes: not the header of a token file.")
+    return data.decode("utf-8")
+
+
 @dataclass(frozen=True)
 class TokenFileInfo:
     """What the header of a token file says about it.
@@ -77,7 +94,7 @@ class TokenFileInfo:
                 "has no header may be a partial write."
             )
         try:
-            fields = json.loads(header.read_text())
+            fields = json.loads(read_header_text(header))
         except json.JSONDecodeError as error:
             raise ValueError(f"{header} is not valid JSON ({error}). {write_one}") from None
         if not isinstance(fields, dict) or fields.pop("format", None) != FORMAT:

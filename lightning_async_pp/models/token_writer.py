@@ -19,15 +19,24 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_async_pp.files import atomic_path
+from lightning_async_pp.files import atomic_file
 from lightning_async_pp.models.data import TEXT_SUFFIXES, local_tokenizer
-from lightning_async_pp.models.token_format import DTYPES, FORMAT, TokenFileInfo, header_path, smallest_dtype
+from lightning_async_pp.models.token_format import (
+    DTYPES,
+    FORMAT,
+    TokenFileInfo,
+    header_path,
+    read_header_text,
+    smallest_dtype,
+)
 
 JSONL_SUFFIXES = (".jsonl",)
 BUILTIN = "builtin"
 BYTE_EOS = 256
 # Text is read and tokenized in pieces of about this many characters, so memory does not grow with a file.
 PIECE_CHARS = 1 << 20
+LINE_LIMIT = 1 << 28
+"""The longest JSONL line read (characters): one document of 256 Mi characters."""
 
 
 @dataclass
@@ -115,7 +124,12 @@ def pieces(sources: Sequence[str | os.PathLike] | str) -> Iterator[tuple[str, bo
 
 
 def _jsonl_documents(file, path: Path) -> Iterator[tuple[str, bool]]:
-    for number, line in enumerate(file, 1):
+    for number, line in enumerate(iter(lambda: file.readline(LINE_LIMIT + 1), ""), 1):
+        if len(line) > LINE_LIMIT:
+            raise ValueError(
+                f"{path}:{number} is longer than {LINE_LIMIT:,} characters; split the document over several lines "
+                "(JSONL records are read one line at a time)."
+            )
         if not line.strip():
             continue
         try:
@@ -160,7 +174,7 @@ def write_token_file(
     if encoder.vocab_size - 1 > limit:
         raise ValueError(f"A vocabulary of {encoder.vocab_size} ids does not fit in {dtype}; use uint32.")
     num_tokens = documents = max_id = 0
-    with atomic_path(out) as temporary, open(temporary, "wb") as file:
+    with atomic_file(out) as file:
         for batch in _batches(pieces(sources)):
             ids = encoder.encode([piece for piece, _ in batch])
             for piece_ids, (_, ends) in zip(ids, batch, strict=True):
@@ -209,8 +223,8 @@ def _check_out(sources: Sequence[Path] | str, out: str | os.PathLike) -> None:
 
 def _is_token_header(path: Path) -> bool:
     try:
-        fields = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        fields = json.loads(read_header_text(path))
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return False
     return isinstance(fields, dict) and fields.get("format") == FORMAT
 

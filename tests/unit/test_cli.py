@@ -144,3 +144,20 @@ def test_help_names_the_commands_besides_lightnings(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for command in ("fit", "consolidate CHECKPOINT_DIR OUT", "tokenize SOURCE... --out FILE"):
         assert command in text, command
+
+
+def test_python_dash_i_carries_its_isolation_to_the_ranks(monkeypatch):
+    """Lightning starts the ranks as plain `python -m ...`: the environment must say what -I said (-P and -s), and
+    not hand them the PYTHONPATH that -I made this process ignore."""
+    from types import SimpleNamespace
+
+    from lightning_async_pp import cli
+
+    monkeypatch.setattr(cli.sys, "flags", SimpleNamespace(safe_path=True, isolated=True))
+    monkeypatch.setattr(cli.sys, "path", list(sys.path))
+    for name in ("PYTHONSAFEPATH", "PYTHONNOUSERSITE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    cli._current_folder_importable()
+    assert os.environ["PYTHONSAFEPATH"] == "1" and os.environ["PYTHONNOUSERSITE"] == "1"
+    assert "PYTHONPATH" not in os.environ

@@ -52,3 +52,23 @@ def test_the_file_gets_the_permissions_of_any_new_file(tmp_path):
     (tmp_path / "plain").write_text("x")
     atomic_write_text(tmp_path / "atomic", "x")
     assert (tmp_path / "atomic").stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
+def test_atomic_file_writes_through_the_file_it_created(tmp_path):
+    """The temporary name replaced by a link meanwhile: the content still goes into the file created, and the
+    link's target is untouched (a write by name would follow the link)."""
+    from lightning_async_pp.files import atomic_file
+
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    target = tmp_path / "out.bin"
+    with atomic_file(target) as file:
+        temporary = next(p for p in tmp_path.iterdir() if p.name.endswith(".partial"))
+        moved = tmp_path / "moved"
+        os.rename(temporary, moved)
+        os.symlink(victim, temporary)
+        file.write(b"content")
+        file.flush()
+        os.unlink(temporary)
+        os.rename(moved, temporary)
+    assert target.read_bytes() == b"content" and victim.read_text() == "untouched"
