@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_async_pp.cli import AsyncPipelineCLI
-from tests.unit.test_command_line import fit
+from tests.unit.test_cli import fit
 
 
 class _Built(Exception):
