@@ -45,6 +45,7 @@ test-slow: $(STAMP)
 	$(PYTEST) -m slow
 
 conformance: $(STAMP)
+	$(PY) -m pip install --quiet cloudpickle  # imported by some of Lightning's test modules
 	$(PY) tests/conformance/run.py --form $(FORM) --folder $(FOLDER)
 
 clean:

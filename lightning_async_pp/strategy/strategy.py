@@ -62,6 +62,7 @@ from lightning_async_pp.strategy.lifecycle import (
     ResumableLoader,
     choose_num_microbatches,
     local_seed,
+    resume_mid_epoch,
     same_order_loader,
     sampler_kwargs,
 )
@@ -116,6 +117,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
             set of the stage's tensors (about ``1/D`` of it): gradients are reduce-scattered to their owners and
             the new weights all-gathered (see :mod:`~lightning_async_pp.runtime.sharding`). The optimizer must
             update each parameter from its own gradient and state only (AdamW, SGD, Muon, ``DelayCorrected``).
+        throughput_monitor: Add a ``PipelineThroughputMonitor`` (``throughput/*``: tokens/s and MFU of the whole job)
+            to a ``fit`` whose trainer has a logger and no monitor of its own; ``False`` leaves it out.
         stage_timing: Time every action for the ``pipeline/stage{s}/*`` metrics (two CUDA events per action on
             GPUs). ``False`` logs only ``version_lag`` of them; a trace (``trace_dir``) times actions regardless.
         start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
@@ -146,6 +149,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         activation_checkpointing: ActivationCheckpointing = False,
         trace_dir: str | None = None,
         stage_timing: bool = True,
+        throughput_monitor: bool = True,
         shard_optimizer: bool = False,
         start_method: Literal["popen", "spawn"] = "popen",
         accelerator: Any = None,
@@ -177,6 +181,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.activation_checkpointing = activation_checkpointing
         self.trace_dir = trace_dir
         self.stage_timing = stage_timing
+        self.throughput_monitor = throughput_monitor
         self.shard_optimizer = shard_optimizer
         self.start_method = start_method
         self._data_seed = 0
@@ -267,7 +272,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         use_pipeline_summary(trainer)  # one table of every stage, not this rank's stage only
         show_epoch_without_total(trainer)
         # Before the stage is cut: rank 0 copies the layers to meta.
-        install_throughput_monitor(trainer, module, self.is_global_zero)
+        install_throughput_monitor(trainer, module, self.is_global_zero, self.throughput_monitor)
         if self.multi_process:
             self._stage = self._setup_stage(trainer, module)
         else:
@@ -310,7 +315,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
         module = self.lightning_module
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
         if self.auto_microbatches:  # decided once, by the first training batch, on every rank alike
-            self.num_microbatches = choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
+            plain = self._stage is None and not is_pipeline_module(module)  # one device, the module's own step
+            self.num_microbatches = 1 if plain else choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
             self.auto_microbatches = False
         if self._stage is not None:
             return self._stage.training_step(module, batch, self.num_microbatches)
@@ -347,8 +353,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
             return dataloader
         dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
         # A resumed run continues mid-epoch exactly where the checkpoint was taken.
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        return ResumableLoader(dataloader, lambda: progress.current.completed)
+        return resume_mid_epoch(trainer, dataloader)
 
     def flush(self) -> None:
         """Finish all in-flight micro-batches and apply pending updates (no-op on one device)."""

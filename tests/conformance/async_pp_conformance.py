@@ -126,6 +126,8 @@ def _give_boring_model_the_contract() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Lightning's CI runs its tests with pytest-rerunfailures, whose marker some tests carry; here they run once.
+    config.addinivalue_line("markers", "flaky(reruns, reruns_delay): rerun by pytest-rerunfailures (not here)")
     if _FORM == "none":
         return
     import lightning_async_pp  # noqa: F401  (registers "async_pp")

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", "pytest", "-c", str(suite / "pytest.ini"), "--rootdir", str(suite)]
         command += [str(suite / "tests" / "tests_pytorch" / args.folder), "-p", "async_pp_conformance"]
         command += ["-p", "no:cacheprovider", "-q", "-o", "console_output_style=classic"]
+        command += ["--continue-on-collection-errors"]  # e.g. test_legacy_checkpoints.py: its data is not copied
         command += ["-k", args.keyword] if args.keyword else []
         command += args.pytest_args
         with tempfile.TemporaryDirectory(prefix="conformance-") as cwd:  # tests may write to the working directory
