@@ -3,19 +3,26 @@
 **Data order.** Every stage of a pipeline reads the same batches, in the same order. Each process of a
 pipeline runs its own training dataloader: the first stage takes the inputs of a batch, the last stage the
 targets of *its* batch. If the processes shuffle differently, the two come from different
-samples. The strategy therefore gives every stage of one pipeline the same data order, and each replica its
-own shard, whatever the processes' global random states:
+samples. With several processes the strategy therefore gives every stage of one pipeline the same data order,
+and each replica its own shard, whatever the processes' global random states:
 
 - a shuffled ``DataLoader`` (``shuffle=True``: a ``RandomSampler``) gets a ``DistributedSampler`` with one seed
   agreed by all processes (rank 0's ``seed_everything`` seed, or 0), reshuffled from that seed and the epoch,
-  so a run resumed in another epoch draws the same order as the uninterrupted one;
+  so a run resumed in another epoch draws the same order as the uninterrupted one (Lightning's DDP replaces it
+  with a ``DistributedSampler`` too; a ``RandomSampler`` draws from each process's random state, which the
+  stages do not share);
+- a ``DistributedSampler`` of the user's keeps its settings (its order on every stage alike), and any other
+  sampler of the user's is kept as it is: it must give every stage the same order (seed it with a constant);
 - worker processes get their seeds from that seed and the epoch too, and ``seed_everything(workers=True)``
   mixes in the replica, not the global rank, so random transforms in workers agree between the stages;
 - replicas (data parallelism) read disjoint shards, as with DDP.
 
-What this cannot reach (a sampler of the user's own, random transforms in the main process, a dataset that
-differs per process) is caught by the micro-batch fingerprint: see
-:mod:`lightning_async_pp.runtime.fingerprint`.
+On one device there is one stage: the loader is left as the user made it, sampler included, as Lightning's
+single-device strategy leaves it.
+
+What this cannot reach (a sampler of the user's own that draws from the process's random state, random
+transforms in the main process, a dataset that differs per process) is caught by the micro-batch fingerprint:
+see :mod:`lightning_async_pp.runtime.fingerprint`.
 
 **Resuming.** :class:`ResumableLoader` continues a training epoch at the batch where a checkpoint left it.
 

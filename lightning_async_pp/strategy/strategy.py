@@ -276,8 +276,6 @@ class AsyncPipelineStrategy(PipelineProcesses):
         if self.multi_process:
             self._stage = self._setup_stage(trainer, module)
         else:
-            # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
-            self._data_seed = local_seed()
             self._single_device.setup(module, self.num_microbatches, self.activation_checkpointing)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -351,7 +349,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or isinstance(dataloader, ResumableLoader):
             return dataloader
-        dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
+        if self.multi_process:  # one order for every stage; one device reads the user's loader as Lightning does
+            dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
         # A resumed run continues mid-epoch exactly where the checkpoint was taken.
         return resume_mid_epoch(trainer, dataloader)
 

@@ -8,8 +8,8 @@ choose the form with the environment variable ``ASYNC_PP_CONFORMANCE_FORM``:
 - ``microbatches``: ``AsyncPipelineStrategy(num_microbatches=2)`` in the same Trainers, and Lightning's
   ``BoringModel`` given the pipeline contract (``pipeline_layers()`` -> ``[self.layer]``,
   ``pipeline_inputs(batch)`` -> ``batch``, ``pipeline_loss(out, batch)`` -> ``self.loss(out)``); a training batch
-  with an odd number of samples (Lightning's are of one) is doubled (the batch twice, the same mean loss) so that
-  it can be cut in two.
+  with an odd number of samples (Lightning's are of one) is doubled (each of its tensors twice, the same mean
+  loss) so that it can be cut in two.
 
 Each test's outcome is written, one JSON object a line, to ``ASYNC_PP_CONFORMANCE_REPORT`` (if set), with
 
@@ -109,10 +109,15 @@ def _patch_setup() -> None:
 
 def _double_odd_training_batch(self: Any, batch: Any, dataloader_idx: int) -> Any:
     import torch
+    from lightning.fabric.utilities.apply_func import apply_to_collection
 
     trainer = self._trainer
-    if trainer is not None and trainer.training and isinstance(batch, torch.Tensor) and batch.shape[0] % 2:
-        return torch.cat([batch, batch])
+    if trainer is None or not trainer.training:
+        return batch
+    sizes = []
+    apply_to_collection(batch, torch.Tensor, lambda t: sizes.append(t.shape[0] if t.dim() else 0))
+    if any(size % 2 for size in sizes):  # every tensor twice: the same mean loss, cut in two equal halves
+        return apply_to_collection(batch, torch.Tensor, lambda t: torch.cat([t, t]) if t.dim() else t)
     return batch
 
 

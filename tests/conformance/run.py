@@ -8,7 +8,8 @@
 (``--suite``, default ``/work/shared/lightning-tests`` or ``$LIGHTNING_TESTS``); the package tested is the one
 under ``--package`` (default: this checkout). Each run writes, under ``--out`` (default ``runs/conformance``),
 ``<form>-<name>.jsonl`` (one line a test, from the plugin :mod:`async_pp_conformance`) and ``<form>-<name>.json``
-/ ``.txt``: the summary.
+/ ``.txt``: the summary. ``--only-injected RECORDS`` runs only the tests into which an earlier run (its
+``.jsonl``) injected a strategy: the injection does not depend on the form, and the other tests run as they are.
 
 **The selection** is the tests that pass as they are (passed in the ``none`` run of the same name, when there
 is one; otherwise the tests not skipped) and exercise the strategy: an injected strategy's ``setup`` ran in the
@@ -126,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package", default=str(HERE.parents[1]), help="the checkout whose package is tested")
     parser.add_argument("--out", default="runs/conformance")
     parser.add_argument("--timeout", type=int, default=180, help="seconds per test")
+    parser.add_argument(
+        "--only-injected",
+        default=None,
+        metavar="RECORDS",
+        help="run only the tests into which a strategy was injected in the run that wrote RECORDS (a .jsonl of the "
+        "same folder): the others run as they are in any form",
+    )
     parser.add_argument("--summarise-only", action="store_true", help="summarise an earlier run's records")
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (after --)")
     args = parser.parse_args(argv)
@@ -146,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             PYTHONDONTWRITEBYTECODE="1",
         )
         command = [sys.executable, "-m", "pytest", "-c", str(suite / "pytest.ini"), "--rootdir", str(suite)]
-        command += [str(suite / "tests" / "tests_pytorch" / args.folder), "-p", "async_pp_conformance"]
+        if args.only_injected:
+            injected = [n for n, r in read_records(Path(args.only_injected)).items() if r["injected"]]
+            command += [str(suite / nodeid) for nodeid in injected]
+        else:
+            command += [str(suite / "tests" / "tests_pytorch" / args.folder)]
+        command += ["-p", "async_pp_conformance"]
         command += ["-p", "no:cacheprovider", "-q", "-o", "console_output_style=classic"]
         command += ["--continue-on-collection-errors"]  # e.g. test_legacy_checkpoints.py: its data is not copied
         command += ["-k", args.keyword] if args.keyword else []

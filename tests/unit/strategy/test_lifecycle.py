@@ -12,11 +12,11 @@ from operator import attrgetter
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loops.progress import _BatchProgress
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.strategy.lifecycle import ResumableLoader
@@ -194,3 +194,31 @@ def test_lightnings_num_workers_warning_for_the_training_loader(monkeypatch):
     reference = few_workers_warnings("auto", 2, monkeypatch)
     assert len(reference) == 2 and "'train_dataloader'" in reference[0]
     assert few_workers_warnings(AsyncPipelineStrategy(), 2, monkeypatch) == reference
+
+
+class Seen(Callback):
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append(batch[0].clone())
+
+
+def shuffled_run(strategy) -> tuple[list[torch.Tensor], DataLoader, Trainer]:
+    seed_everything(3)
+    data = TensorDataset(*(torch.cat(tensors) for tensors in zip(*batches(2))))
+    loader, seen = DataLoader(data, batch_size=2, shuffle=True), Seen()
+    run = trainer(strategy=strategy, max_epochs=2, max_steps=-1, callbacks=[seen])
+    run.fit(Regression(), loader)
+    return seen.batches, loader, run
+
+
+def test_one_device_keeps_the_users_shuffled_loader():
+    """On one device the user's loader and sampler are Lightning's: the same batches as under Lightning's own
+    strategy with the same seed, and ``trainer.train_dataloader`` is the loader given."""
+    reference, _, _ = shuffled_run("auto")
+    seen, loader, run = shuffled_run(AsyncPipelineStrategy())
+    assert run.train_dataloader is loader and type(loader.sampler) is RandomSampler
+    assert len(seen) == len(reference) == 8
+    for batch, expected in zip(seen, reference):
+        assert torch.equal(batch, expected)
