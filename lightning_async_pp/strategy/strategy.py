@@ -470,6 +470,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failure.on_exception(exception)  # first: the error, on stderr, before any other rank's
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

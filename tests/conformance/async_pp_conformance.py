@@ -78,7 +78,10 @@ def _patch_trainer() -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:  # Lightning's own error for arguments it does not take
+            return original(self, *args, **kwargs)
         arguments = bound.arguments
         if arguments.get("strategy", "auto") == "auto" and _one_cpu_device(arguments):
             bound.arguments["strategy"] = _make_strategy()
