@@ -7,7 +7,9 @@ choose the form with the environment variable ``ASYNC_PP_CONFORMANCE_FORM``:
 - ``async_pp``: ``strategy="async_pp"`` in every ``Trainer`` on one CPU device that names no strategy.
 - ``microbatches``: ``AsyncPipelineStrategy(num_microbatches=2)`` in the same Trainers, and Lightning's
   ``BoringModel`` given the pipeline contract (``pipeline_layers()`` -> ``[self.layer]``,
-  ``pipeline_inputs(batch)`` -> ``batch``, ``pipeline_loss(out, batch)`` -> ``self.loss(out)``); a training batch
+  ``pipeline_inputs(batch)`` -> ``batch``, ``pipeline_loss(out, batch)`` -> ``self.loss(out)``). A subclass
+  that overrides ``training_step``, ``step`` or ``forward`` trains otherwise than the contract says, so it does
+  not get it (a plain module, refused with two micro-batches, outside the selection); a training batch
   with an odd number of samples (Lightning's are of one) is doubled (each of its tensors twice, the same mean
   loss) so that it can be cut in two.
 
@@ -124,12 +126,29 @@ def _double_odd_training_batch(self: Any, batch: Any, dataloader_idx: int) -> An
     return batch
 
 
+def _trains_as_boring_model(cls: type) -> bool:
+    """Whether a subclass of ``BoringModel`` computes its training loss as ``BoringModel`` does, the computation
+    the contract below describes (a subclass with a ``training_step`` of its own trains otherwise)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    return all(getattr(cls, name) is getattr(BoringModel, name) for name in ("training_step", "step", "forward"))
+
+
+def _contract_method(function: Any) -> property:
+    def get(self: Any) -> Any:
+        if not _trains_as_boring_model(type(self)):
+            raise AttributeError(f"{type(self).__name__} trains through a training_step of its own")
+        return function.__get__(self)
+
+    return property(get)
+
+
 def _give_boring_model_the_contract() -> None:
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    BoringModel.pipeline_layers = lambda self: [self.layer]
-    BoringModel.pipeline_inputs = lambda self, batch: batch
-    BoringModel.pipeline_loss = lambda self, out, batch: self.loss(out)
+    BoringModel.pipeline_layers = _contract_method(lambda self: [self.layer])
+    BoringModel.pipeline_inputs = _contract_method(lambda self, batch: batch)
+    BoringModel.pipeline_loss = _contract_method(lambda self, out, batch: self.loss(out))
     BoringModel.on_after_batch_transfer = _double_odd_training_batch
 
 
