@@ -117,8 +117,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
             set of the stage's tensors (about ``1/D`` of it): gradients are reduce-scattered to their owners and
             the new weights all-gathered (see :mod:`~lightning_async_pp.runtime.sharding`). The optimizer must
             update each parameter from its own gradient and state only (AdamW, SGD, Muon, ``DelayCorrected``).
-        throughput_monitor: Add a ``PipelineThroughputMonitor`` (``throughput/*``: tokens/s and MFU of the whole job)
-            to a ``fit`` whose trainer has a logger and no monitor of its own; ``False`` leaves it out.
+        throughput_monitor: Add a ``PipelineThroughputMonitor`` (``throughput/*`` of the whole job) to a ``fit`` with
+            a logger and no monitor; ``None``: with several processes (on one device Lightning's counts right).
         stage_timing: Time every action for the ``pipeline/stage{s}/*`` metrics (two CUDA events per action on
             GPUs). ``False`` logs only ``version_lag`` of them; a trace (``trace_dir``) times actions regardless.
         start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
@@ -149,7 +149,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         activation_checkpointing: ActivationCheckpointing = False,
         trace_dir: str | None = None,
         stage_timing: bool = True,
-        throughput_monitor: bool = True,
+        throughput_monitor: bool | None = None,
         shard_optimizer: bool = False,
         start_method: Literal["popen", "spawn"] = "popen",
         accelerator: Any = None,

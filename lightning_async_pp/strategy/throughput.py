@@ -21,11 +21,13 @@ data sheet (:data:`PEAK_BF16_FLOPS`; Lightning's ``get_available_flops`` for oth
 MFU is not logged unless a peak is given. MFU against the bfloat16 peak is the usual convention (PaLM,
 torchtitan), whatever the training precision.
 
-The strategy adds a :class:`PipelineThroughputMonitor` to the trainer when the user has not and the trainer has a
-logger (:func:`install_throughput_monitor`), and says so; ``AsyncPipelineStrategy(throughput_monitor=False)``
-leaves it out. Give one in ``trainer.callbacks`` (or the CLI's ``trainer.callbacks`` in YAML) to set its
-arguments. Its values are logged through Lightning (``LightningModule.log``), so they reach the loggers in the
-same calls as the module's own metrics, at the steps ``log_every_n_steps`` chooses.
+With several processes the strategy adds a :class:`PipelineThroughputMonitor` to the trainer when the user has
+not and the trainer has a logger (:func:`install_throughput_monitor`), and says so;
+``AsyncPipelineStrategy(throughput_monitor=False)`` leaves it out, ``True`` adds it on one device too (where
+Lightning's own ``ThroughputMonitor`` counts right). Give one in ``trainer.callbacks`` (or the CLI's
+``trainer.callbacks`` in YAML) to set its arguments. Its values are logged through Lightning
+(``LightningModule.log``), so they reach the loggers in the same calls as the module's own metrics, at the steps
+``log_every_n_steps`` chooses.
 """
 
 from __future__ import annotations
@@ -274,8 +276,9 @@ class PipelineThroughputMonitor(Callback):
     for the first, which includes filling the pipeline). On CUDA, rank 0 waits for its device at logged steps
     only, so that the time is the device's.
 
-    Under ``strategy="async_pp"`` the strategy adds one with the defaults when the trainer has a logger and
-    ``trainer.callbacks`` holds no monitor already (``AsyncPipelineStrategy(throughput_monitor=False)``: never).
+    Under ``strategy="async_pp"`` with several processes the strategy adds one with the defaults when the trainer
+    has a logger and ``trainer.callbacks`` holds no monitor already (``AsyncPipelineStrategy(throughput_monitor=)``:
+    ``False`` never, ``True`` on one device too).
     The values are logged with ``LightningModule.log`` on global rank 0, so Lightning writes them with the step's
     other metrics; they are in ``trainer.logged_metrics`` and ``trainer.callback_metrics`` too.
 
@@ -404,11 +407,11 @@ class PipelineThroughputMonitor(Callback):
 
 
 def install_throughput_monitor(
-    trainer: Trainer, module: LightningModule, is_global_zero: bool, add_default: bool = True
+    trainer: Trainer, module: LightningModule, is_global_zero: bool, add_default: bool | None = None
 ) -> None:
-    """Add a :class:`PipelineThroughputMonitor` when ``add_default`` and the trainer has a logger but no monitor
-    (saying so on rank 0); let rank 0's copy the model's layers before the strategy cuts them. Call in the
-    strategy's ``setup``, before the stage is placed."""
+    """Add a :class:`PipelineThroughputMonitor` when ``add_default`` (``None``: when the job has several
+    processes) and the trainer has a logger but no monitor (saying so on rank 0); let rank 0's copy the model's
+    layers before the strategy cuts them. Call in the strategy's ``setup``, before the stage is placed."""
     if trainer.state.fn != TrainerFn.FITTING:
         return
     monitors = [c for c in trainer.callbacks if isinstance(c, PipelineThroughputMonitor)]
@@ -417,6 +420,8 @@ def install_throughput_monitor(
             f"trainer.callbacks holds {len(monitors)} PipelineThroughputMonitor callbacks; keep one."
         )
     if not monitors:
+        if add_default is None:
+            add_default = trainer.world_size > 1
         if not add_default or not trainer.loggers:  # nothing would be logged: spare the FLOP count
             return
         monitors = [PipelineThroughputMonitor()]
