@@ -13,6 +13,7 @@ from operator import attrgetter
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loops.progress import _BatchProgress
 from torch import nn
 from torch.nn import functional as F
@@ -222,3 +223,13 @@ def test_one_device_keeps_the_users_shuffled_loader():
     assert len(seen) == len(reference) == 8
     for batch, expected in zip(seen, reference):
         assert torch.equal(batch, expected)
+
+
+def test_a_fitted_trainer_with_the_rich_progress_bar_pickles():
+    """The strategy's epoch description of a ``RichProgressBar`` (``max_steps`` only) is no closure."""
+    bar = RichProgressBar()
+    fitted = trainer(max_steps=2, enable_progress_bar=True, callbacks=[bar])
+    fitted.fit(Regression(), DataLoader(batches(2), batch_size=None))
+    assert fitted.max_epochs == -1 and bar._get_train_description(3).strip() == "Epoch 3"
+    copied = pickle.loads(pickle.dumps(fitted))
+    assert copied.progress_bar_callback._get_train_description(3).strip() == "Epoch 3"
