@@ -11,7 +11,7 @@ spec = importlib.util.spec_from_file_location("conformance_run", Path(__file__).
 run = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run)
 
-NODE = "tests/tests_pytorch/trainer/test_trainer.py::test_fit"
+NODE = "suite/trainer/test_trainer.py::test_fit"
 
 
 def record(nodeid: str, outcome: str, exercised: bool = True, pipeline: bool = False) -> dict:
@@ -20,13 +20,13 @@ def record(nodeid: str, outcome: str, exercised: bool = True, pipeline: bool = F
 
 def test_a_listed_reason_covers_the_test_its_parameters_and_a_file(tmp_path):
     path = tmp_path / "differences.txt"
-    path.write_text(f"# comment\nasync_pp {NODE} -- why\nboth tests/tests_pytorch/a.py -- file\n")
+    path.write_text(f"# comment\nasync_pp {NODE} -- why\nboth suite/a.py -- file\n")
     differences = run.read_differences(path)
     assert run.reason_for(NODE, "async_pp", differences) == "why"
     assert run.reason_for(NODE + "[1-2]", "async_pp", differences) == "why"
     assert run.reason_for(NODE + "_other", "async_pp", differences) is None
     assert run.reason_for(NODE, "microbatches", differences) is None
-    assert run.reason_for("tests/tests_pytorch/a.py::test_b", "microbatches", differences) == "file"
+    assert run.reason_for("suite/a.py::test_b", "microbatches", differences) == "file"
     path.write_text(f"sometimes {NODE} -- why\n")
     with pytest.raises(ValueError, match="a line must read"):
         run.read_differences(path)
