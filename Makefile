@@ -3,6 +3,7 @@
 #   make train-llama   the same for a tiny Hugging Face Llama (examples/configs/llama_tiny.yaml)
 #   make test    set up .venv if needed, run the test suite (the default tier)
 # More tiers: make test-mp (multi-process pipelines, CLI and docs runs), make test-slow; make lint.
+# Lightning's own tests with the strategy put in: make conformance FORM=async_pp|microbatches|none FOLDER=trainer
 VENV ?= .venv
 PYTHON ?= python3
 # Pinned in the same pip call as the package so that pip never picks another (e.g. a CUDA) build.
@@ -13,7 +14,11 @@ STAMP := $(VENV)/.installed
 # Each tier prints its 15 slowest tests.
 PYTEST := $(PY) -m pytest -q --durations=15
 
-.PHONY: train train-llama lint test test-mp test-slow bench clean
+.PHONY: train train-llama lint test test-mp test-slow conformance bench clean
+
+# Not a tier: Lightning's test suite (tests/conformance/run.py; the summary under runs/conformance/).
+FORM ?= async_pp
+FOLDER ?= trainer
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +43,10 @@ test-mp: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PYTEST) -m slow
+
+conformance: $(STAMP)
+	$(PY) -m pip install --quiet cloudpickle  # imported by some of Lightning's test modules
+	$(PY) tests/conformance/run.py --form $(FORM) --folder $(FOLDER)
 
 clean:
 	rm -rf $(VENV) runs lightning_logs

@@ -3,19 +3,26 @@
 **Data order.** Every stage of a pipeline reads the same batches, in the same order. Each process of a
 pipeline runs its own training dataloader: the first stage takes the inputs of a batch, the last stage the
 targets of *its* batch. If the processes shuffle differently, the two come from different
-samples. The strategy therefore gives every stage of one pipeline the same data order, and each replica its
-own shard, whatever the processes' global random states:
+samples. With several processes the strategy therefore gives every stage of one pipeline the same data order,
+and each replica its own shard, whatever the processes' global random states:
 
 - a shuffled ``DataLoader`` (``shuffle=True``: a ``RandomSampler``) gets a ``DistributedSampler`` with one seed
   agreed by all processes (rank 0's ``seed_everything`` seed, or 0), reshuffled from that seed and the epoch,
-  so a run resumed in another epoch draws the same order as the uninterrupted one;
+  so a run resumed in another epoch draws the same order as the uninterrupted one (Lightning's DDP replaces it
+  with a ``DistributedSampler`` too; a ``RandomSampler`` draws from each process's random state, which the
+  stages do not share);
+- a ``DistributedSampler`` of the user's keeps its settings (its order on every stage alike), and any other
+  sampler of the user's is kept as it is: it must give every stage the same order (seed it with a constant);
 - worker processes get their seeds from that seed and the epoch too, and ``seed_everything(workers=True)``
   mixes in the replica, not the global rank, so random transforms in workers agree between the stages;
 - replicas (data parallelism) read disjoint shards, as with DDP.
 
-What this cannot reach (a sampler of the user's own, random transforms in the main process, a dataset that
-differs per process) is caught by the micro-batch fingerprint: see
-:mod:`lightning_async_pp.runtime.fingerprint`.
+On one device there is one stage: the loader is left as the user made it, sampler included, as Lightning's
+single-device strategy leaves it.
+
+What this cannot reach (a sampler of the user's own that draws from the process's random state, random
+transforms in the main process, a dataset that differs per process) is caught by the micro-batch fingerprint:
+see :mod:`lightning_async_pp.runtime.fingerprint`.
 
 **Resuming.** :class:`ResumableLoader` continues a training epoch at the batch where a checkpoint left it.
 
@@ -32,12 +39,15 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.connectors.data_connector import _worker_check
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -134,6 +144,18 @@ def sampler_kwargs(num_replicas: int, replica: int, seed: int) -> dict[str, Any]
     return {"num_replicas": num_replicas, "rank": replica, "seed": seed}
 
 
+def resume_mid_epoch(trainer: Trainer, dataloader: Any) -> Any:
+    """The training dataloader as the loop should read it: wrapped in a :class:`ResumableLoader` when the run
+    resumes in the middle of an epoch (Lightning's progress counts completed batches of it), else unchanged, so
+    that ``trainer.train_dataloader`` is the loader the user gave (or the one :func:`same_order_loader` made)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    if progress.current.completed == 0:
+        return dataloader
+    # Lightning checks the workers of the DataLoader it is handed, which the wrapper is not: check the wrapped one.
+    _worker_check(trainer, dataloader, name=f"{RunningStage.TRAINING.dataloader_prefix}_dataloader")
+    return ResumableLoader(dataloader, partial(attrgetter("current.completed"), progress))
+
+
 class ResumableLoader:
     """Wraps a training dataloader so that a resumed epoch continues at the next unseen batch.
 
@@ -144,10 +166,17 @@ class ResumableLoader:
     with a ``resume_after(samples)`` method (:class:`~lightning_async_pp.models.tokens.WindowSampler`) is told
     how many samples to pass over instead, and the skipped batches are never read.
 
+    Attributes other than its own are read from and written to the wrapped loader, so that Lightning's reset of
+    a loader (``loader._iterator = None``, which lets ``persistent_workers`` start anew) reaches the
+    ``DataLoader``. A loader without a length (an ``IterableDataset``) is read as it comes.
+
     Args:
         dataloader: The training dataloader.
-        completed_batches: Returns the number of batches of the current epoch already trained on.
+        completed_batches: Returns the number of batches of the current epoch already trained on (a picklable
+            callable: a fitted Trainer can be pickled and copied).
     """
+
+    _OWN = ("dataloader", "completed_batches")
 
     def __init__(self, dataloader: Any, completed_batches: Callable[[], int]) -> None:
         self.dataloader = dataloader
@@ -160,8 +189,9 @@ class ResumableLoader:
         # A generator: this body runs at the first `next()`, after Lightning has restored its progress
         # counters and called `set_epoch` on the sampler.
         skip = self.completed_batches()
-        if hasattr(self.dataloader, "__len__") and len(self.dataloader) > 0:
-            skip %= len(self.dataloader)
+        length = sized_len(self.dataloader)
+        if length:
+            skip %= length
         sampler = getattr(self.dataloader, "sampler", None)
         batch_size = getattr(self.dataloader, "batch_size", None)
         if skip and batch_size and hasattr(sampler, "resume_after"):
@@ -174,11 +204,19 @@ class ResumableLoader:
         yield from iterator
 
     def __len__(self) -> int:
-        return len(self.dataloader)
+        return len(self.dataloader)  # a TypeError without one, as a DataLoader of an IterableDataset raises
 
     def __getattr__(self, name: str) -> Any:
         # `sampler`, `batch_size`, `dataset`, ...: look like the wrapped loader to Lightning.
+        if "dataloader" not in self.__dict__:  # not initialised: being copied or unpickled
+            raise AttributeError(name)
         return getattr(self.__dict__["dataloader"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            self.__dict__[name] = value
+        else:
+            setattr(self.dataloader, name, value)
 
     # Marks the loader as resumable for Lightning: the position lives in Lightning's own loop state.
     def state_dict(self) -> dict[str, Any]:

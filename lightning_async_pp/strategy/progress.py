@@ -12,23 +12,29 @@ from __future__ import annotations
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 
-__all__ = ["show_epoch_without_total"]
+__all__ = ["EpochDescription", "show_epoch_without_total"]
+
+
+class EpochDescription:
+    """A ``RichProgressBar``'s training description: ``Epoch N`` without a total when ``max_epochs`` is -1, else
+    the bar's own. An object, not a closure, so that a trainer with the bar can be pickled."""
+
+    def __init__(self, bar: RichProgressBar) -> None:
+        self.bar = bar
+
+    def __call__(self, current_epoch: int) -> str:
+        max_epochs = self.bar.trainer.max_epochs
+        if max_epochs is None or max_epochs >= 0:
+            return type(self.bar)._get_train_description(self.bar, current_epoch)
+        text = f"Epoch {current_epoch}"
+        # Padded to the validation bar's description, as Lightning pads it, so the bar does not flicker.
+        return f"{text:{len(self.bar.validation_description)}}"
 
 
 def show_epoch_without_total(trainer: Trainer) -> None:
     """Make the trainer's ``RichProgressBar`` (if it has one) show ``Epoch N`` without a total when
     ``max_epochs`` is -1; with a finite ``max_epochs`` it shows ``Epoch N/max_epochs-1`` as before."""
     bar = trainer.progress_bar_callback
-    if not isinstance(bar, RichProgressBar) or getattr(bar, "_epoch_without_total", False):
+    if not isinstance(bar, RichProgressBar) or isinstance(vars(bar).get("_get_train_description"), EpochDescription):
         return
-    describe = bar._get_train_description
-
-    def description(current_epoch: int) -> str:
-        if trainer.max_epochs is None or trainer.max_epochs >= 0:
-            return describe(current_epoch)
-        text = f"Epoch {current_epoch}"
-        # Padded to the validation bar's description, as Lightning pads it, so the bar does not flicker.
-        return f"{text:{len(bar.validation_description)}}"
-
-    bar._get_train_description = description
-    bar._epoch_without_total = True
+    bar._get_train_description = EpochDescription(bar)

@@ -13,7 +13,7 @@ independent check of those.
 from __future__ import annotations
 
 import contextlib
-import itertools
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,22 +62,23 @@ def microbatch_losses(
     return losses
 
 
-def shared_casts(module: LightningModule, precision_plugin: Precision) -> Callable[[], Callable[[], WeightCasts]]:
+class SharedCasts:
     """A factory of the context that gives the forwards of one call of :func:`microbatch_losses` one cast of
     each weight autocast would cast (see :mod:`~lightning_async_pp.runtime.casts`), made at the first forward
-    of that call (each call is one step, with its own weights)."""
-    params = {name: p for name, p in module.named_parameters() if p.requires_grad}
-    device_type = next(iter(params.values())).device.type if params else "cpu"
-    casts = WeightCasts(
-        module, list(params), autocast_dtype(precision_plugin.forward_context, device_type), device_type
-    )
-    calls = itertools.count()
+    of that call (each call is one step, with its own weights). An object, not a closure, so that a fitted
+    Trainer can be pickled."""
 
-    def factory() -> Callable[[], WeightCasts]:
-        key = next(calls)
-        return lambda: casts(params, key)
+    def __init__(self, module: LightningModule, precision_plugin: Precision) -> None:
+        self.params = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        device_type = next(iter(self.params.values())).device.type if self.params else "cpu"
+        dtype = autocast_dtype(precision_plugin.forward_context, device_type)
+        self.casts = WeightCasts(module, list(self.params), dtype, device_type)
+        self.calls = 0
 
-    return factory
+    def __call__(self) -> Callable[[], WeightCasts]:
+        """The context of the next step's forwards."""
+        self.calls += 1
+        return functools.partial(self.casts, self.params, self.calls)
 
 
 class SingleDevice:
@@ -91,7 +92,7 @@ class SingleDevice:
         self.divisor = 1
         """What the micro-batch losses of the current batch are divided by in the backward."""
         self.delay = 0
-        self._casts: Callable[[], Callable[[], WeightCasts]] | None = None
+        self._casts: SharedCasts | None = None
         self.module: LightningModule | None = None
 
     def setup(
@@ -116,7 +117,7 @@ class SingleDevice:
         :attr:`window` so far (at its last batch, the step's)."""
         window = self.window
         if self._casts is None:
-            self._casts = shared_casts(module, precision_plugin)
+            self._casts = SharedCasts(module, precision_plugin)
         around = self._casts()  # the step's forwards share one cast of each weight
         aux: list[Tensor] = []
         self.divisor = window.size * num_microbatches

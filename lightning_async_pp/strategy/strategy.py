@@ -61,6 +61,7 @@ from lightning_async_pp.strategy.lifecycle import (
     ResumableLoader,
     choose_num_microbatches,
     local_seed,
+    resume_mid_epoch,
     same_order_loader,
     sampler_kwargs,
 )
@@ -116,6 +117,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
             set of the stage's tensors (about ``1/D`` of it): gradients are reduce-scattered to their owners and
             the new weights all-gathered (see :mod:`~lightning_async_pp.runtime.sharding`). The optimizer must
             update each parameter from its own gradient and state only (AdamW, SGD, Muon, ``DelayCorrected``).
+        throughput_monitor: Add a ``PipelineThroughputMonitor`` (``throughput/*`` of the whole job) to a ``fit`` with
+            a logger and no monitor; ``None``: with several processes (on one device Lightning's counts right).
         stage_timing: Time every action for the ``pipeline/stage{s}/*`` metrics (two CUDA events per action on
             GPUs). ``False`` logs only ``version_lag`` of them; a trace (``trace_dir``) times actions regardless.
         start_method: How processes are started for ``devices > 1``: ``"popen"`` re-runs the script
@@ -148,6 +151,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         activation_checkpointing: ActivationCheckpointing = False,
         trace_dir: str | None = None,
         stage_timing: bool = True,
+        throughput_monitor: bool | None = None,
         shard_optimizer: bool = False,
         start_method: Literal["popen", "spawn"] = "popen",
         save_distributed_checkpoint: bool | None = None,
@@ -181,6 +185,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self.activation_checkpointing = activation_checkpointing
         self.trace_dir = trace_dir
         self.stage_timing = stage_timing
+        self.throughput_monitor = throughput_monitor
         self.shard_optimizer = shard_optimizer
         self.start_method = start_method
         self.save_distributed_checkpoint = save_distributed_checkpoint
@@ -273,12 +278,10 @@ class AsyncPipelineStrategy(PipelineProcesses):
         use_pipeline_summary(trainer)  # one table of every stage, not this rank's stage only
         show_epoch_without_total(trainer)
         # Before the stage is cut: rank 0 copies the layers to meta.
-        install_throughput_monitor(trainer, module, self.is_global_zero)
+        install_throughput_monitor(trainer, module, self.is_global_zero, self.throughput_monitor)
         if self.multi_process:
             self._stage = self._setup_stage(trainer, module)
         else:
-            # The same shuffled order as a pipeline of any depth, so a run can move between P=1 and P>1.
-            self._data_seed = local_seed()
             self._single_device.setup(module, self.num_microbatches, self.activation_checkpointing, self.schedule)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -317,7 +320,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
         module = self.lightning_module
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
         if self.auto_microbatches:  # decided once, by the first training batch, on every rank alike
-            self.num_microbatches = choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
+            plain = self._stage is None and not is_pipeline_module(module)  # one device, the module's own step
+            self.num_microbatches = 1 if plain else choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
             self.auto_microbatches = False
         self._window.add(batch, module.trainer)
         if self._stage is not None:
@@ -355,10 +359,10 @@ class AsyncPipelineStrategy(PipelineProcesses):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or isinstance(dataloader, ResumableLoader):
             return dataloader
-        dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
+        if self.multi_process:  # one order for every stage; one device reads the user's loader as Lightning does
+            dataloader = same_order_loader(dataloader, self._data_seed, self.data_parallel_size, self.replica)
         # A resumed run continues mid-epoch exactly where the checkpoint was taken.
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        return ResumableLoader(dataloader, lambda: progress.current.completed)
+        return resume_mid_epoch(trainer, dataloader)
 
     def flush(self) -> None:
         """Finish all in-flight micro-batches and apply pending updates (no-op on one device)."""
@@ -473,6 +477,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failure.on_exception(exception)  # first: the error, on stderr, before any other rank's
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

@@ -21,9 +21,13 @@ data sheet (:data:`PEAK_BF16_FLOPS`; Lightning's ``get_available_flops`` for oth
 MFU is not logged unless a peak is given. MFU against the bfloat16 peak is the usual convention (PaLM,
 torchtitan), whatever the training precision.
 
-The strategy adds a :class:`PipelineThroughputMonitor` to the trainer when the user has not
-(:func:`install_throughput_monitor`); give one in ``trainer.callbacks`` (or the CLI's ``trainer.callbacks``
-in YAML) to set its arguments.
+With several processes the strategy adds a :class:`PipelineThroughputMonitor` to the trainer when the user has
+not and the trainer has a logger (:func:`install_throughput_monitor`), and says so;
+``AsyncPipelineStrategy(throughput_monitor=False)`` leaves it out, ``True`` adds it on one device too (where
+Lightning's own ``ThroughputMonitor`` counts right). Give one in ``trainer.callbacks`` (or the CLI's
+``trainer.callbacks`` in YAML) to set its arguments. Its values are logged through Lightning
+(``LightningModule.log``), so they reach the loggers in the same calls as the module's own metrics, at the steps
+``log_every_n_steps`` chooses.
 """
 
 from __future__ import annotations
@@ -272,8 +276,11 @@ class PipelineThroughputMonitor(Callback):
     for the first, which includes filling the pipeline). On CUDA, rank 0 waits for its device at logged steps
     only, so that the time is the device's.
 
-    Under ``strategy="async_pp"`` the strategy adds one with the defaults when the trainer has a logger and
-    ``trainer.callbacks`` holds no monitor already.
+    Under ``strategy="async_pp"`` with several processes the strategy adds one with the defaults when the trainer
+    has a logger and ``trainer.callbacks`` holds no monitor already (``AsyncPipelineStrategy(throughput_monitor=)``:
+    ``False`` never, ``True`` on one device too).
+    The values are logged with ``LightningModule.log`` on global rank 0, so Lightning writes them with the step's
+    other metrics; they are in ``trainer.logged_metrics`` and ``trainer.callback_metrics`` too.
 
     Args:
         peak_flops: Peak FLOP/s of one device (e.g. ``989e12``); ``None`` looks the device up in
@@ -376,8 +383,8 @@ class PipelineThroughputMonitor(Callback):
         self.metrics = throughput_metrics(
             *counts, seconds, unit, strategy.data_parallel_size, strategy.world_size, self.flops_per_item, self._peak
         )
-        for logger in trainer.loggers:
-            logger.log_metrics(self.metrics, step=step)
+        # Through Lightning: written with the step's other metrics, at the step `log_every_n_steps` chooses.
+        pl_module.log_dict(self.metrics, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
     def _count_flops(self, module: LightningModule, batch: Any, num_microbatches: int) -> None:
         """Count the FLOPs per token once, at the first step (when the number of micro-batches is known)."""
@@ -402,9 +409,12 @@ class PipelineThroughputMonitor(Callback):
         )
 
 
-def install_throughput_monitor(trainer: Trainer, module: LightningModule, is_global_zero: bool) -> None:
-    """Add a :class:`PipelineThroughputMonitor` unless the trainer has one (or no logger); let rank 0's copy the
-    model's layers before the strategy cuts them. Call in the strategy's ``setup``, before the stage is placed."""
+def install_throughput_monitor(
+    trainer: Trainer, module: LightningModule, is_global_zero: bool, add_default: bool | None = None
+) -> None:
+    """Add a :class:`PipelineThroughputMonitor` when ``add_default`` (``None``: when the job has several
+    processes) and the trainer has a logger but no monitor (saying so on rank 0); let rank 0's copy the model's
+    layers before the strategy cuts them. Call in the strategy's ``setup``, before the stage is placed."""
     if trainer.state.fn != TrainerFn.FITTING:
         return
     monitors = [c for c in trainer.callbacks if isinstance(c, PipelineThroughputMonitor)]
@@ -413,9 +423,16 @@ def install_throughput_monitor(trainer: Trainer, module: LightningModule, is_glo
             f"trainer.callbacks holds {len(monitors)} PipelineThroughputMonitor callbacks; keep one."
         )
     if not monitors:
-        if not trainer.loggers:  # nothing would be logged: spare the FLOP count
+        if add_default is None:
+            add_default = trainer.world_size > 1
+        if not add_default or not trainer.loggers:  # nothing would be logged: spare the FLOP count
             return
         monitors = [PipelineThroughputMonitor()]
         trainer.callbacks.append(monitors[0])
+        if is_global_zero:
+            log.info(
+                "AsyncPipelineStrategy logs throughput/* with a PipelineThroughputMonitor added to the callbacks; "
+                "AsyncPipelineStrategy(throughput_monitor=False) leaves it out"
+            )
     if is_global_zero:
         monitors[0].snapshot(module)

@@ -251,7 +251,6 @@ ALLOWED_PRIVATE = {
     "_call_lightning_module_hook": "Lightning's call of the module's hooks, run by a stage before each update",
     "_results": "Lightning's logged results, which the metrics relay copies to the other stages",
     "_get_train_description": "Lightning's RichProgressBar's epoch text, replaced for max_epochs=-1",
-    "_epoch_without_total": "the package's mark on a Lightning progress bar it already changed",
     "_signal_connector": "Lightning's signal handlers, replaced so that SIGTERM needs no collective",
     "_broadcast_sigterm_tensor": "Lightning's per-step SIGTERM collective, replaced by the metrics relay",
     "_accelerator_connector": "Lightning's connector, which names the cluster environment",

@@ -211,7 +211,7 @@ def test_installed_by_the_strategy_with_a_logger_only():
         fit(
             model,
             random_batches(2, batch_size=4, block=BLOCK),
-            AsyncPipelineStrategy(),
+            AsyncPipelineStrategy(throughput_monitor=True),  # on one device only when asked for
             logger=logger,
             log_every_n_steps=1,
             callbacks=[],
@@ -224,6 +224,33 @@ def test_installed_by_the_strategy_with_a_logger_only():
     # On a CPU without a given peak: FLOP/s, no MFU.
     assert len(logged) == 2 and all("throughput/mfu" not in m and "throughput/flops_per_sec" in m for m in logged)
     assert monitors(False) == []
+
+
+def test_logged_through_lightning_at_its_steps_and_turned_off_by_the_strategy_argument():
+    """The strategy's monitor's values reach the logger in Lightning's own calls, at the steps
+    ``log_every_n_steps`` chooses: the same calls, at the same steps, as a run without the monitor (the
+    reference), each with the throughput added; on one device none is added unless asked for."""
+
+    def run(throughput_monitor: bool | None) -> tuple[list[tuple[int, dict]], list]:
+        recorder, model = Recorder(), tiny_gpt(n_layer=1, n_embd=N_EMBD, block_size=BLOCK)
+        strategy = AsyncPipelineStrategy(throughput_monitor=throughput_monitor)
+        batches = random_batches(5, batch_size=4, block=BLOCK)
+        fit(model, batches, strategy, logger=recorder, log_every_n_steps=2, callbacks=[])
+        return recorder.logged, [c for c in model.trainer.callbacks if isinstance(c, PipelineThroughputMonitor)]
+
+    with_monitor, monitors = run(True)
+    without, none = run(None)
+    assert len(monitors) == 1 and none == [] and run(False)[1] == []
+    assert [step for step, _ in with_monitor] == [step for step, _ in without] == [1, 3]
+    for (_, logged), (_, reference) in zip(with_monitor, without):
+        assert set(logged) - set(reference) == {
+            "throughput/samples_per_sec",
+            "throughput/tokens_per_sec",
+            "throughput/tokens_per_sec_per_replica",
+            "throughput/sec_per_step",
+            "throughput/flops_per_sec",
+        }
+    assert not any(key.startswith("throughput/") for _, logged in without for key in logged)
 
 
 def test_bad_arguments_say_what_to_change():
