@@ -333,7 +333,7 @@ def plan_from_config(
         ValueError: A setting the plan cannot follow, with what to change.
     """
     require_pipeline_module(module, "plan cuts the model into stages")
-    if strategy.auto_microbatches:
+    if strategy.microbatches.pending:
         raise ValueError(
             "num_microbatches='auto' is decided at the first batch; give the strategy a number to plan "
             "(--trainer.strategy.init_args.num_microbatches N)."

@@ -59,12 +59,12 @@ from lightning_async_pp.strategy.launch import (
 )
 from lightning_async_pp.strategy.lifecycle import (
     ResumableLoader,
-    choose_num_microbatches,
     local_seed,
     resume_mid_epoch,
     same_order_loader,
     sampler_kwargs,
 )
+from lightning_async_pp.strategy.microbatches import MicrobatchCount
 from lightning_async_pp.strategy.optimizer_steps import AccumulationWindow
 from lightning_async_pp.strategy.placement import layer_costs, partition_layers, place_stage
 from lightning_async_pp.strategy.processes import PipelineProcesses
@@ -177,9 +177,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
             timeout,
         )
         self.schedule = schedule
-        # With "auto", one per stage until the first training batch shows the batch size.
-        self.auto_microbatches = num_microbatches == "auto"
-        self.num_microbatches: int = 1 if num_microbatches == "auto" else num_microbatches
+        self.microbatches = MicrobatchCount(num_microbatches)
         self.split_points = list(split_points) if split_points is not None else None
         self.balance = balance if isinstance(balance, str) else [float(c) for c in balance]
         self.activation_checkpointing = activation_checkpointing
@@ -195,6 +193,11 @@ class AsyncPipelineStrategy(PipelineProcesses):
         self._single_device = SingleDevice(self._window)
         self._restore = CheckpointRestore()
         self._failure = FailureGuard()
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per training batch (with ``"auto"``: decided by the first training batch)."""
+        return self.microbatches.value
 
     @property
     def pipeline_stage(self) -> PipelineStage | None:
@@ -219,9 +222,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def _configure_launcher(self) -> None:
-        if self.auto_microbatches:
-            self.num_microbatches = self.num_stages  # the least "auto" can choose, until the first batch
-        known = None if self.auto_microbatches else self.num_microbatches
+        known = self.microbatches.at_launch(self.num_stages)
         self._launcher = configure_launcher(self, self.start_method, self.schedule, known, self.check_model)
 
     def check_model(self, module: LightningModule) -> None:
@@ -288,8 +289,7 @@ class AsyncPipelineStrategy(PipelineProcesses):
             total = functools.partial(self.reduce, reduce_op="sum")
             report_routing(self.optimizers, self.root_device, self.dims, self.global_rank, total)
             if self.multi_process:
-                count = None if self.auto_microbatches else self.num_microbatches  # "auto": at the first batch
-                self._stage.start_training(trainer, self.optimizers, count)
+                self._stage.start_training(trainer, self.optimizers, self.microbatches.known)
         if self.multi_process:
             base_checkpoint_io(self.checkpoint_io).process_group = self._stage.groups.checkpoint
         self._restore.into_stage(self._checkpoint(), trainer.state.fn == TrainerFn.FITTING)
@@ -319,10 +319,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
-        if self.auto_microbatches:  # decided once, by the first training batch, on every rank alike
-            plain = self._stage is None and not is_pipeline_module(module)  # one device, the module's own step
-            self.num_microbatches = 1 if plain else choose_num_microbatches(batch, self.num_stages, self.is_global_zero)
-            self.auto_microbatches = False
+        cut = self._stage is not None or is_pipeline_module(module)  # not a module's own step on one device
+        self.microbatches.decide(batch, self.num_stages, cut, self.is_global_zero)
         self._window.add(batch, module.trainer)
         if self._stage is not None:
             return self._stage.training_step(module, self._window, self.num_microbatches)
@@ -383,28 +381,22 @@ class AsyncPipelineStrategy(PipelineProcesses):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.multi_process:
-            return super().validation_step(*args, **kwargs)
-        return self._evaluation_step("validation", args, kwargs)
+        return self._evaluation_step("validation", super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.multi_process:
-            return super().test_step(*args, **kwargs)
-        return self._evaluation_step("test", args, kwargs)
+        return self._evaluation_step("test", super().test_step, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.multi_process:
-            return super().predict_step(*args, **kwargs)
-        return self._evaluation_step("predict", args, kwargs)
+        return self._evaluation_step("predict", super().predict_step, args, kwargs)
 
-    def _evaluation_step(self, kind: str, args: tuple, kwargs: dict) -> Any:
+    def _evaluation_step(self, kind: str, on_one_device: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if not self.multi_process:
+            return on_one_device(*args, **kwargs)
         batch = kwargs["batch"] if "batch" in kwargs else args[0]
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
-        # Up to the micro-batches training uses; with "auto", 1 until a training batch chose them.
-        count = 1 if self.auto_microbatches else self.num_microbatches
-        return self._stage.evaluation_step(self.lightning_module, kind, batch, batch_idx, count)
+        return self._stage.evaluation_step(self.lightning_module, kind, batch, batch_idx, self.microbatches.evaluated)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

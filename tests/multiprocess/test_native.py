@@ -126,4 +126,4 @@ def test_default_strategy_works_on_any_number_of_devices():
     # Trainer(strategy="async_pp", devices=4): the registered default must not need num_microbatches set.
     for devices in (1, 3, 4):
         strategy = Trainer(strategy="async_pp", accelerator="cpu", devices=devices, logger=False).strategy
-        assert strategy.auto_microbatches and strategy.num_microbatches == devices
+        assert strategy.microbatches.pending and strategy.num_microbatches == devices
