@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from tests.fixtures.hf_models import adamw, plain_hf_training, token_batches  # noqa: E402
-from tests.unit.models.test_hf_models import assert_same_weights, hf_twin, materialized, run_pipeline  # noqa: E402
+from tests.unit.models.test_hf import assert_same_weights, hf_twin, materialized, run_pipeline  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

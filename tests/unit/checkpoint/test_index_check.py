@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 from lightning_async_pp.checkpoint import safe
 from lightning_async_pp.checkpoint.safe import read_index
 from lightning_async_pp.cli import main
-from tests.unit.checkpoint.test_checkpoint import _single_device_checkpoint
+from tests.unit.checkpoint.test_io import _single_device_checkpoint
 
 _OPENED: list[str] | None = None
 

@@ -12,7 +12,7 @@ from lightning_async_pp.models import CausalLM, hf_moe, hf_structure  # noqa: E4
 from lightning_async_pp.optim import Muon  # noqa: E402
 from lightning_async_pp.runtime.contract import run_layers  # noqa: E402
 from tests.fixtures.hf_models import MOE_CONFIGS, tiny_causal_lm, token_batches  # noqa: E402
-from tests.unit.models.test_hf_models import hf_twin, materialized  # noqa: E402
+from tests.unit.models.test_hf import hf_twin, materialized  # noqa: E402
 
 WITHOUT_ROUTER_TERMS = ("deepseek_v3", "glm4_moe", "hunyuan_v1_moe")
 """Families whose ``.loss`` in transformers 5.24 is the language-model loss alone (no load-balancing term)."""

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_async_pp.models import CausalLM  # noqa: E402
-from tests.unit.models.test_hf_models import hf_twin, materialized  # noqa: E402
+from tests.unit.models.test_hf import hf_twin, materialized  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 
