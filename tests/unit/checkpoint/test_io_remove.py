@@ -168,3 +168,20 @@ def test_crafted_checkpoint_cannot_make_a_resume_delete_outside(tmp_path, distri
     assert _tree(victim) == before
     saved = checkpoints / "epoch=1-step=3.ckpt"
     assert (saved / "meta.pt").is_file() if distributed else saved.is_file()  # the resumed run saved on
+
+
+def test_a_url_is_removed_only_in_a_model_checkpoint_folder():
+    """One process writes single files to fsspec URLs: removal takes one the run saved in ModelCheckpoint's folder,
+    and refuses one it saved elsewhere."""
+    fsspec = pytest.importorskip("fsspec")
+    io = ShardedCheckpointIO()
+    io.setup(None, ["memory://removal/checkpoints/"])
+    kept, old = "memory://removal/kept/copy.ckpt", "memory://removal/checkpoints/old.ckpt"
+    for url in (kept, old):
+        io.save_checkpoint({"x": torch.ones(1)}, url)
+    io.remove_checkpoint(old)
+    with pytest.warns(UserWarning, match="Did not remove memory://removal/kept/copy.ckpt: this run did not save it"):
+        io.remove_checkpoint(kept)
+    memory = fsspec.filesystem("memory")
+    assert memory.exists("/removal/kept/copy.ckpt") and not memory.exists("/removal/checkpoints/old.ckpt")
+    memory.rm("/removal", recursive=True)
