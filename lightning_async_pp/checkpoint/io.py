@@ -8,8 +8,9 @@ hidden name and renamed too. A save killed midway leaves only the hidden directo
 save to that name), never a checkpoint that looks complete.
 
 Removal deletes only checkpoints: paths that, with symbolic links and ``..`` resolved, lie directly in a folder
-this IO has written a checkpoint into, and hold a checkpoint (see :meth:`ShardedCheckpointIO.remove_checkpoint`).
-The paths to remove come from ``ModelCheckpoint``'s state, which a resumed run reads from the checkpoint itself.
+of the trainer's ``ModelCheckpoint`` callbacks (given by :meth:`ShardedCheckpointIO.setup`), and hold a checkpoint
+(see :meth:`ShardedCheckpointIO.remove_checkpoint`). The paths to remove come from ``ModelCheckpoint``'s state,
+which a resumed run reads from the checkpoint itself.
 """
 
 from __future__ import annotations
@@ -73,8 +74,22 @@ class ShardedCheckpointIO(CheckpointIO):
         self._executor: ThreadPoolExecutor | None = None
         self.last_save_blocking_seconds: float | None = None
         """How long the last :meth:`save_checkpoint` held its caller."""
-        self._folders: set[Path] = set()  # resolved folders saved into: the only ones removal deletes in
+        self._folders: set[Path] = set()  # resolved ModelCheckpoint folders: the only ones removal deletes in
+        self._url_folders: set[str] = set()  # remote ModelCheckpoint folders
         self._urls: set[str] = set()  # remote single-file checkpoints saved by this IO
+
+    def setup(self, process_group: Any, checkpoint_folders: list[str]) -> None:
+        """What the strategy decides in its ``setup``, before anything is saved or removed.
+
+        Args:
+            process_group: Group of all ranks for DCP's planning collectives (``None`` on one process).
+            checkpoint_folders: The ``dirpath`` of each of the trainer's ``ModelCheckpoint`` callbacks, which alone
+                remove checkpoints: the only folders :meth:`remove_checkpoint` deletes in. A checkpoint saved
+                anywhere else (``trainer.save_checkpoint``) is never removed.
+        """
+        self.process_group = process_group
+        self._url_folders = {folder.rstrip("/") for folder in checkpoint_folders if "://" in folder}
+        self._folders = {Path(folder).absolute().resolve() for folder in checkpoint_folders if "://" not in folder}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
@@ -87,7 +102,8 @@ class ShardedCheckpointIO(CheckpointIO):
             path: The checkpoint directory or file.
             storage_options: Passed on to ``metadata_io``.
         """
-        self._saved_to(path)
+        if "://" in str(path):
+            self._urls.add(str(path))
         sharded = bool(checkpoint.get(SHARD_KEY))
         if sharded and "://" in str(path):
             raise NotImplementedError(
@@ -201,18 +217,12 @@ class ShardedCheckpointIO(CheckpointIO):
                 "intact."
             ) from error
 
-    def _saved_to(self, path: _PATH) -> None:
-        if "://" in str(path):
-            self._urls.add(str(path))
-        else:
-            self._folders.add(Path(path).absolute().parent.resolve())
-
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove a checkpoint; after the pending asynchronous save, which may be the one writing it.
 
         Only a checkpoint is removed: ``path``, with symbolic links and ``..`` resolved, must lie directly in a
-        folder this IO has saved a checkpoint into (``ModelCheckpoint``'s ``dirpath``: it saves before it removes),
+        folder of a ``ModelCheckpoint`` (its ``dirpath``, see :meth:`setup`; a URL must also be saved by this IO),
         and be a checkpoint directory of this strategy (``.metadata`` and ``meta.pt``) or a ``torch.save`` file. A
         symbolic link there (``save_last="link"``) is removed itself, never what it points to. Anything else is
         left in place with a warning that says why: a resumed run reads the paths to remove from the checkpoint.
@@ -225,10 +235,10 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _remove(self, path: _PATH) -> None:
         if "://" in str(path):
-            if str(path) in self._urls:
+            if str(path) in self._urls and str(path).rsplit("/", 1)[0] in self._url_folders:
                 self.metadata_io.remove_checkpoint(path)
             else:
-                _refuse(path, "this run did not save it")
+                _refuse(path, "this run did not save it into a ModelCheckpoint folder")
             return
         path = Path(path).absolute()
         if not os.path.lexists(path):
@@ -238,11 +248,11 @@ class ShardedCheckpointIO(CheckpointIO):
             if folder in self._folders:
                 path.unlink()  # the link only
             else:
-                _refuse(path, f"it is a link in {folder}, a folder this run has not saved a checkpoint into")
+                _refuse(path, f"it is a link in {folder}, which is no ModelCheckpoint's folder")
             return
         target = path.resolve()
         if target.parent not in self._folders:
-            _refuse(path, f"it is {target}, outside the folders this run saves checkpoints into")
+            _refuse(path, f"it is {target}, outside the ModelCheckpoint folders of this run")
         elif target.is_dir():
             if is_sharded_checkpoint(target) and (target / META_FILE).is_file():
                 shutil.rmtree(target)
@@ -273,9 +283,9 @@ class ShardedCheckpointIO(CheckpointIO):
 
 def _refuse(path: _PATH, reason: str) -> None:
     warnings.warn(
-        f"Did not remove {path}: {reason}. Only checkpoints in the folders this run saves checkpoints into are "
-        "removed; a path that ModelCheckpoint read from a resumed checkpoint (best_k_models, last_model_path) "
-        "and that points elsewhere is left in place.",
+        f"Did not remove {path}: {reason}. Only checkpoints in the folders of the trainer's ModelCheckpoint "
+        "callbacks (their dirpath) are removed; a path that ModelCheckpoint read from a resumed checkpoint "
+        "(best_k_models, last_model_path) and that points elsewhere is left in place.",
         stacklevel=2,
     )
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
@@ -52,6 +53,7 @@ __all__ = [
     "PipelineCheckpoint",
     "RestoredCheckpoint",
     "base_checkpoint_io",
+    "checkpoint_folders",
     "remove_checkpoint",
     "sharded_checkpoint_io",
 ]
@@ -73,6 +75,13 @@ def sharded_checkpoint_io(io: CheckpointIO | None) -> CheckpointIO:
 def base_checkpoint_io(io: CheckpointIO) -> ShardedCheckpointIO:
     """The :class:`ShardedCheckpointIO` under a wrapper (see :func:`sharded_checkpoint_io`)."""
     return io.checkpoint_io if isinstance(io, _WrappingCheckpointIO) else io
+
+
+def checkpoint_folders(trainer: Trainer) -> list[str]:
+    """The folders of ``trainer``'s ``ModelCheckpoint`` callbacks (resolved by their ``setup``, before the
+    strategy's): the only ones old checkpoints are removed from, as only ``ModelCheckpoint`` removes any."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    return [str(c.dirpath) for c in callbacks if c.dirpath is not None]
 
 
 def remove_checkpoint(io: CheckpointIO, filepath: Any) -> None:

@@ -46,6 +46,7 @@ from lightning_async_pp.strategy.checkpointing import (
     CheckpointRestore,
     PipelineCheckpoint,
     base_checkpoint_io,
+    checkpoint_folders,
     remove_checkpoint,
     sharded_checkpoint_io,
     single_file_form,
@@ -290,8 +291,8 @@ class AsyncPipelineStrategy(PipelineProcesses):
             report_routing(self.optimizers, self.root_device, self.dims, self.global_rank, total)
             if self.multi_process:
                 self._stage.start_training(trainer, self.optimizers, self.microbatches.known)
-        if self.multi_process:
-            base_checkpoint_io(self.checkpoint_io).process_group = self._stage.groups.checkpoint
+        group = self._stage.groups.checkpoint if self.multi_process else None
+        base_checkpoint_io(self.checkpoint_io).setup(group, checkpoint_folders(trainer))
         self._restore.into_stage(self._checkpoint(), trainer.state.fn == TrainerFn.FITTING)
 
     def _setup_stage(self, trainer: Trainer, module: LightningModule) -> PipelineStage:

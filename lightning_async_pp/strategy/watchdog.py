@@ -30,7 +30,9 @@ completes) keeps its heartbeat going: torch's own NCCL watchdog ends it at the t
 The store's keys start with a random token that rank 0 draws and broadcasts over the watchdog's group when
 the watchdog is made (:func:`share_token`): the token never passes through the store, so whoever else can reach
 the store (torchrun's agent store listens on every interface) can neither read nor guess the keys, and cannot
-stop the job by writing a failure into it. What a rank reads back from the store is cut to
+stop the job by writing a failure into it. Once a rank has written a key (a failure, a roll call), the token can
+be seen by anyone who lists the store's keys: it is then spent, and a watchdog is never made with it again
+(:data:`SPENT_TOKENS`; every watchdog draws its own by default). What a rank reads back from the store is cut to
 :data:`TEXT_LIMIT` characters and to printable ones (:func:`printable`) before it is printed or raised.
 
 The watchdog imports nothing of Lightning: it needs a gloo group of every rank and the job's store.
@@ -47,7 +49,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["FAILED", "FINISHED", "RUNNING", "TEXT_LIMIT", "PeerWatchdog", "printable", "share_token"]
+__all__ = ["FAILED", "FINISHED", "RUNNING", "SPENT_TOKENS", "TEXT_LIMIT", "PeerWatchdog", "printable", "share_token"]
 
 RUNNING, FINISHED, FAILED = 0, 1, 2
 POLL_S = 0.05
@@ -58,6 +60,8 @@ TEXT_LIMIT = 4000
 """Characters of a rank's error, or of a verdict, that go through the store."""
 TOKEN_BYTES = 16
 """Random bytes of the token the store's keys start with."""
+SPENT_TOKENS: set[str] = set()
+"""The tokens this process has written keys under: visible to whoever lists the store's keys, refused from then on."""
 
 
 class _Broken(Exception):
@@ -79,7 +83,7 @@ class PeerWatchdog:
         period: Seconds between heartbeats (default: a tenth of the timeout, at most one second).
         token: What the watchdog's keys in the store start with; the same on every rank and secret to the job
             (default: rank 0 draws one and broadcasts it over ``group``: a collective, every rank makes its
-            watchdog at the same point).
+            watchdog at the same point). A spent one (in :data:`SPENT_TOKENS`) is refused.
     """
 
     def __init__(
@@ -102,6 +106,12 @@ class PeerWatchdog:
         self.period = period if period is not None else min(1.0, self.timeout / 10)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         token = token if token is not None else share_token(group, rank)
+        if token in SPENT_TOKENS:
+            raise ValueError(
+                "This watchdog token is spent: keys were written under it, so anyone who lists the store's keys "
+                "has seen it. Leave `token` out (rank 0 draws a new one) or pass a new one."
+            )
+        self._token = token
         self.store = dist.PrefixStore(f"async_pp/watchdog/{token}/", base)
         self.on_failure = on_failure
         self.peer_failure: str | None = None
@@ -148,8 +158,8 @@ class PeerWatchdog:
     def report_failure(self, error: str, wait: float) -> None:
         """Tell every rank that this rank failed with ``error``; return once they know, or after ``wait`` seconds."""
         try:
-            self.store.set(f"failed/{self.rank}", error[:TEXT_LIMIT])
-            self.store.set("broken", str(self.rank))
+            self._set(f"failed/{self.rank}", error[:TEXT_LIMIT])
+            self._set("broken", str(self.rank))
         except Exception:  # noqa: BLE001 - the store's host is gone; the heartbeat still carries the status
             pass
         self._status = FAILED
@@ -241,8 +251,8 @@ class PeerWatchdog:
         """Who failed or died: the ranks that reported an error, else those that do not answer a roll call."""
         self._roll_call_started.set()
         try:
-            self.store.set("broken", str(self.rank))
-            self.store.set(f"alive/{self.rank}", "1")
+            self._set("broken", str(self.rank))
+            self._set(f"alive/{self.rank}", "1")
             deadline = time.monotonic() + self._roll_call_s
             while time.monotonic() < deadline:
                 failed = [r for r in range(self.world_size) if self.store.check([f"failed/{r}"])]
@@ -267,8 +277,8 @@ class PeerWatchdog:
             f"or frozen; see its output and the system log); the heartbeat said: {reason}"
         )
         try:
-            self.store.set("gone", ",".join(map(str, silent)))  # before the verdict: whoever reads one finds both
-            self.store.set("verdict", verdict)
+            self._set("gone", ",".join(map(str, silent)))  # before the verdict: whoever reads one finds both
+            self._set("verdict", verdict)
         except Exception:  # noqa: BLE001 - its host went in the meantime; this rank still says what it saw
             pass
         return verdict
@@ -284,6 +294,10 @@ class PeerWatchdog:
             messages.append(f"{self.describe(r)} failed" + (f": {error}" if error else " (its error is above)"))
         return "; ".join(messages)
 
+    def _set(self, key: str, value: str) -> None:
+        SPENT_TOKENS.add(self._token)  # before the key appears: from then on the store's listing shows the token
+        self.store.set(key, value)
+
     def _ranks(self, text: bytes) -> set[int]:
         words = text.decode(errors="replace").split(",")
         return {int(w) for w in words if w.isdigit() and int(w) < self.world_size}
@@ -293,7 +307,7 @@ class PeerWatchdog:
             self.peer_failure = message
             claimed = self._claimed
         try:
-            self.store.set(f"seen/{self.rank}", "1")  # rank 0 may hold the store until every survivor read it
+            self._set(f"seen/{self.rank}", "1")  # rank 0 may hold the store until every survivor read it
         except Exception:  # noqa: BLE001 - the store's host is gone; nothing waits for this rank
             pass
         self._learnt.set()

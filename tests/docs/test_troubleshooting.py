@@ -90,6 +90,7 @@ def _crafted_index(folder: Path) -> None:
 
 def _removal_outside(folder: Path) -> None:
     io = ShardedCheckpointIO()
+    io.setup(None, [str(folder / "run")])  # ModelCheckpoint's folder
     torch.save({"x": 1}, folder / "kept.ckpt")
     io.save_checkpoint({"x": torch.ones(1)}, folder / "run" / "saved.ckpt")
     with warnings.catch_warnings():

@@ -1,13 +1,14 @@
-"""Removing a checkpoint deletes only a checkpoint in a folder the run saves into, whatever path it is given."""
+"""Removing a checkpoint deletes only a checkpoint in a ModelCheckpoint's folder, whatever path it is given."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_async_pp import AsyncPipelineStrategy
 from lightning_async_pp.checkpoint import ShardedCheckpointIO
@@ -25,9 +26,11 @@ def _tree(path) -> list[str]:
 
 @pytest.fixture
 def layout(tmp_path):
-    """``run/checkpoints`` (saved into by ``io``) and, outside it, a checkpoint of another run and a data folder."""
+    """``run/checkpoints`` (ModelCheckpoint's folder for ``io``) and, outside it, a checkpoint of another run and a
+    data folder."""
     io = ShardedCheckpointIO()
     checkpoints = tmp_path / "run" / "checkpoints"
+    io.setup(None, [str(checkpoints)])
     _save(io, checkpoints / "a.ckpt")
     outside = tmp_path / "outside"
     _save(ShardedCheckpointIO(), outside / "victim.ckpt")
@@ -48,14 +51,14 @@ def test_removes_checkpoints_it_saved_beside(layout):
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
-        ("dotdot-checkpoint", "outside the folders this run saves checkpoints into"),
-        ("dotdot-folder", "outside the folders this run saves checkpoints into"),
-        ("dotdot-data", "outside the folders this run saves checkpoints into"),
-        ("absolute", "outside the folders this run saves checkpoints into"),
-        ("link-to-folder", "outside the folders this run saves checkpoints into"),
+        ("dotdot-checkpoint", "outside the ModelCheckpoint folders of this run"),
+        ("dotdot-folder", "outside the ModelCheckpoint folders of this run"),
+        ("dotdot-data", "outside the ModelCheckpoint folders of this run"),
+        ("absolute", "outside the ModelCheckpoint folders of this run"),
+        ("link-to-folder", "outside the ModelCheckpoint folders of this run"),
         ("folder-not-checkpoint", "is not a checkpoint"),
         ("file-not-checkpoint", "is not a torch.save file"),
-        ("link-in-other-folder", "a folder this run has not saved a checkpoint into"),
+        ("link-in-other-folder", "which is no ModelCheckpoint's folder"),
     ],
 )
 def test_refuses_what_is_not_its_checkpoint(layout, tmp_path, case, reason):
@@ -93,7 +96,7 @@ def test_link_in_its_folder_is_removed_not_its_target(layout):
     assert _tree(outside) == before
 
 
-def _trainer(checkpoints, steps: int, distributed: bool) -> Trainer:
+def _trainer(checkpoints, steps: int, distributed: bool, *callbacks: Callback) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=1,
@@ -103,8 +106,45 @@ def _trainer(checkpoints, steps: int, distributed: bool) -> Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=1)],
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_top_k=1), *callbacks],
     )
+
+
+def _resume_naming(checkpoints, distributed: bool, path) -> Path:
+    """A checkpoint of a 2-step run whose ModelCheckpoint state names ``path`` as its best (next to be removed)."""
+    _trainer(checkpoints, 2, distributed).fit(tiny_gpt(), loader(random_batches(2)))
+    resume = checkpoints / "epoch=0-step=2.ckpt"
+    meta_file = resume / "meta.pt" if distributed else resume
+    meta = torch.load(meta_file, weights_only=True)
+    (key,) = [k for k in meta["callbacks"] if k.startswith("ModelCheckpoint")]
+    meta["callbacks"][key]["best_model_path"] = str(path)
+    torch.save(meta, meta_file)
+    return resume
+
+
+class _SaveACopy(Callback):
+    """What a user may add: a copy of the run's first state kept in a folder of its own."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: Trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["directory", "file"])
+def test_a_checkpoint_saved_by_save_checkpoint_elsewhere_is_never_removed(tmp_path, distributed):
+    """The run saved ``kept/copy.ckpt`` itself (``trainer.save_checkpoint``), but only ModelCheckpoint's folder is
+    one old checkpoints are removed from: a resumed state that names the copy leaves it in place."""
+    checkpoints, copy = tmp_path / "checkpoints", tmp_path / "kept" / "copy.ckpt"
+    resume = _resume_naming(checkpoints, distributed, checkpoints / ".." / "kept" / "copy.ckpt")
+
+    trainer = _trainer(checkpoints, 3, distributed, _SaveACopy(copy))
+    with pytest.warns(UserWarning, match="Did not remove .*copy.ckpt: it is .*outside the ModelCheckpoint"):
+        trainer.fit(tiny_gpt(), loader(random_batches(3)), ckpt_path=str(resume))
+    assert (copy / "meta.pt").is_file() if distributed else copy.is_file()
+    # The first run's top-k removal of step 1 went through (step 2, resumed from, is no longer tracked).
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=1-step=3.ckpt"]
 
 
 @pytest.mark.parametrize("distributed", [True, False], ids=["directory", "file"])
@@ -123,8 +163,25 @@ def test_crafted_checkpoint_cannot_make_a_resume_delete_outside(tmp_path, distri
     before = _tree(victim)
 
     trainer = _trainer(checkpoints, 3, distributed)
-    with pytest.warns(UserWarning, match="Did not remove .*victim.ckpt: it is .*outside the folders"):
+    with pytest.warns(UserWarning, match="Did not remove .*victim.ckpt: it is .*outside the ModelCheckpoint"):
         trainer.fit(tiny_gpt(), loader(random_batches(3)), ckpt_path=str(resume))
     assert _tree(victim) == before
     saved = checkpoints / "epoch=1-step=3.ckpt"
     assert (saved / "meta.pt").is_file() if distributed else saved.is_file()  # the resumed run saved on
+
+
+def test_a_url_is_removed_only_in_a_model_checkpoint_folder():
+    """One process writes single files to fsspec URLs: removal takes one the run saved in ModelCheckpoint's folder,
+    and refuses one it saved elsewhere."""
+    fsspec = pytest.importorskip("fsspec")
+    io = ShardedCheckpointIO()
+    io.setup(None, ["memory://removal/checkpoints/"])
+    kept, old = "memory://removal/kept/copy.ckpt", "memory://removal/checkpoints/old.ckpt"
+    for url in (kept, old):
+        io.save_checkpoint({"x": torch.ones(1)}, url)
+    io.remove_checkpoint(old)
+    with pytest.warns(UserWarning, match="Did not remove memory://removal/kept/copy.ckpt: this run did not save it"):
+        io.remove_checkpoint(kept)
+    memory = fsspec.filesystem("memory")
+    assert memory.exists("/removal/kept/copy.ckpt") and not memory.exists("/removal/checkpoints/old.ckpt")
+    memory.rm("/removal", recursive=True)

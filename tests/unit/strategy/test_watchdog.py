@@ -44,6 +44,12 @@ def _heartbeat(monkeypatch, others: dict[int, int] | None, error: str | None = N
 TOKEN = "0123abcd"
 
 
+@pytest.fixture(autouse=True)
+def _no_spent_tokens(monkeypatch):
+    """Each test starts with no token spent (most reuse ``TOKEN``)."""
+    monkeypatch.setattr(watchdog_module, "SPENT_TOKENS", set())
+
+
 def _watchdog(
     store: dist.Store, rank: int = 0, world_size: int = 3, token: str | None = TOKEN
 ) -> tuple[PeerWatchdog, list[str], threading.Event]:
@@ -194,6 +200,18 @@ def test_the_keys_start_with_a_token_rank_0_shares_over_the_group():
     assert first[0].store.check(["failed/1"]) and not second[0].store.check(["failed/1"])
     assert _peer_store(store, bytes(drawn[0].tolist()).hex()).get("failed/1") == b"ValueError: bad batch"
     assert store.num_keys() == 1  # the failure only
+
+
+def test_a_token_shown_by_the_store_after_a_failure_is_spent(monkeypatch):
+    """A reported failure writes keys, so listing the store's keys shows the token: no watchdog takes it again
+    (anyone could forge a failure under it)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    dog, _, _ = _watchdog(store)
+    dog.report_failure("ValueError: bad batch", wait=0.0)
+    assert any(TOKEN in key for key in store.list_keys())
+    with pytest.raises(ValueError, match="This watchdog token is spent"):
+        _watchdog(store)
+    assert _watchdog(store, token="4567ef01")[0].store.num_keys() == 2  # another token is taken
 
 
 def test_keys_under_the_old_predictable_names_are_ignored(monkeypatch):
