@@ -180,7 +180,7 @@ def test_with_accumulation_a_step_is_an_optimizer_step():
     fit(
         model,
         batches,
-        AsyncPipelineStrategy(),
+        AsyncPipelineStrategy(throughput_monitor=True),  # on one device it is not a default
         logger=recorder,
         log_every_n_steps=1,
         accumulate_grad_batches=2,
