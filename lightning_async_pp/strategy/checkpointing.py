@@ -81,7 +81,7 @@ def checkpoint_folders(trainer: Trainer) -> list[str]:
     """The folders of ``trainer``'s ``ModelCheckpoint`` callbacks (resolved by their ``setup``, before the
     strategy's): the only ones old checkpoints are removed from, as only ``ModelCheckpoint`` removes any."""
     callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-    return [str(c.dirpath) for c in callbacks if c.dirpath is not None]
+    return [str(c.dirpath) for c in callbacks if getattr(c, "dirpath", None) is not None]  # a mock may have none
 
 
 def remove_checkpoint(io: CheckpointIO, filepath: Any) -> None:
