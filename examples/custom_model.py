@@ -10,7 +10,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_async_pp import AsyncPipelineStrategy, PipelineModule
 
@@ -56,7 +56,11 @@ def synthetic_data(samples: int = 4096, in_features: int = 32, classes: int = 10
     x = torch.randn(samples, in_features, generator=generator)
     teacher = torch.randn(in_features, classes, generator=generator)
     y = (x @ teacher).argmax(dim=1)
-    return DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, drop_last=True, generator=generator)
+    dataset = TensorDataset(x, y)
+    # One shuffled order on one device and on every stage alike, so that the two runs can be compared (on one
+    # device Lightning keeps a loader's own sampler; a pipeline gives a shuffled loader a seeded one).
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(dataset, batch_size=64, sampler=sampler, drop_last=True)
 
 
 def main() -> None:
