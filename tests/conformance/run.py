@@ -5,8 +5,9 @@
     make conformance FORM=microbatches FOLDER=callbacks
 
 ``--form none`` records the tests as they are (the baseline). The suite is Lightning's ``tests/tests_pytorch``
-(``--suite``, default ``/work/shared/lightning-tests`` or ``$LIGHTNING_TESTS``); the package tested is the one
-under ``--package`` (default: this checkout). Each run writes, under ``--out`` (default ``runs/conformance``),
+(``--suite``, default ``../shared/lightning-tests`` beside the checkout, or ``$LIGHTNING_TESTS``); the package
+tested is the one under ``--package`` (default: this checkout). Each run writes, under ``--out`` (default
+``runs/conformance``),
 ``<form>-<name>.jsonl`` (one line a test, from the plugin :mod:`async_pp_conformance`) and ``<form>-<name>.json``
 / ``.txt``: the summary. ``--only-injected RECORDS`` runs only the tests into which an earlier run (its
 ``.jsonl``) injected a strategy: the injection does not depend on the form, and the other tests run as they are.
@@ -30,6 +31,8 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# Lightning's suite lies in shared/ beside the checkout (see its README).
+SHARED_SUITE = HERE.parents[2] / "shared" / "lightning-tests"
 FORMS = ("none", "async_pp", "microbatches")
 
 
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="trainer", help="a folder or file under tests/tests_pytorch")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k expression")
     parser.add_argument("--name", default=None, help="the name of the outputs (default: from --folder and -k)")
-    parser.add_argument("--suite", default=os.environ.get("LIGHTNING_TESTS", "/work/shared/lightning-tests"))
+    parser.add_argument("--suite", default=os.environ.get("LIGHTNING_TESTS", str(SHARED_SUITE)))
     parser.add_argument("--package", default=str(HERE.parents[1]), help="the checkout whose package is tested")
     parser.add_argument("--out", default="runs/conformance")
     parser.add_argument("--timeout", type=int, default=180, help="seconds per test")
