@@ -174,7 +174,9 @@ def test_1f1b_three_stages_with_padding_and_clipping_equals_plain_hf_training(tm
     torch.testing.assert_close(torch.tensor(result["aux_losses"]), torch.tensor(aux), rtol=1e-5, atol=1e-6)
     final = twin.state_dict()
     assert sorted(weights) == sorted(final)
-    assert_same_weights(weights, final)
+    # AdamW divides by sqrt(v): for an element whose gradient is near zero (a k_proj bias), the last-bit difference
+    # of a sum taken across three stages instead of one process grows to about 1.5e-6 in 6 steps.
+    assert_same_weights(weights, final, atol=2e-6)
 
 
 @pytest.mark.slow
