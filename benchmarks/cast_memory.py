@@ -102,7 +102,7 @@ def batches(args: argparse.Namespace, microbatches: int) -> list[torch.Tensor]:
 def one_device(args: argparse.Namespace, microbatches: int, way: str) -> dict[str, Any]:
     """The one-device 2BW path's heap peak over ``--steps`` steps."""
     from lightning_async_pp.reference.delayed import DelayedWeights
-    from lightning_async_pp.strategy.single_device import microbatch_losses, shared_casts
+    from lightning_async_pp.strategy.single_device import SharedCasts, microbatch_losses
 
     precision = bf16_mixed()
     data = batches(args, microbatches)
@@ -111,7 +111,7 @@ def one_device(args: argparse.Namespace, microbatches: int, way: str) -> dict[st
     model = Layers(args.layers, args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     delayed = DelayedWeights(model)
-    casts = shared_casts(model, precision) if way == "per_version" else None
+    casts = SharedCasts(model, precision) if way == "per_version" else None
 
     for batch in data:
 
