@@ -152,6 +152,12 @@ def test_a_tied_copy_reads_the_state_saved_under_the_first_name(tmp_path):
         stage=1,
         aliases=aliases,
     )
+    assert_tied_head_restored(whole, stage, optimizer, stage_optimizer, previous, stage_previous)
+
+
+def assert_tied_head_restored(whole, stage, optimizer, stage_optimizer, previous: dict, stage_previous: dict) -> None:
+    """The last stage's tied head (``layers.4.out``) holds the whole model's table (``layers.0.table``): its weight,
+    its ``w[t-1]`` and its optimizer state, bit for bit."""
     table, head = whole.get_parameter("layers.0.table.weight"), stage.get_parameter("layers.4.out.weight")
     assert torch.equal(head, table)
     assert torch.equal(stage_previous["layers.4.out.weight"], previous["layers.0.table.weight"])
